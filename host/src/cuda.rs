@@ -1,0 +1,192 @@
+//! The CUDA device layer: device 0, the embedded PTX loaded once, device buffers and one typed
+//! launch helper per kernel. Built on cudarc with dynamic loading, so the library compiles
+//! and its CPU parts run on machines without CUDA.
+use std::sync::Arc;
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+};
+use half::f16;
+
+use crate::{Error, Result};
+
+/// Threads per block of the row-per-block and row-per-warp kernels.
+const BLOCK: u32 = 256;
+
+/// An open CUDA device with the kernels loaded and one stream that every launch goes to.
+pub struct Device {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    k: Kernels,
+}
+
+/// The kernel functions of the embedded PTX, looked up once.
+struct Kernels {
+    rms_norm: CudaFunction,
+    argmax: CudaFunction,
+    gemv_f16: CudaFunction,
+}
+
+impl Kernels {
+    fn load(module: &Arc<CudaModule>) -> Result<Self> {
+        let f = |name: &str| {
+            module
+                .load_function(name)
+                .map_err(|e| Error::Cuda(format!("kernel {name} not in the PTX: {e}")))
+        };
+        Ok(Kernels {
+            rms_norm: f("rms_norm")?,
+            argmax: f("argmax")?,
+            gemv_f16: f("gemv_f16")?,
+        })
+    }
+}
+
+/// Whether a CUDA device can be opened here, without opening it.
+pub fn is_available() -> bool {
+    // SAFETY: only tries to load libcuda; nothing is called through it.
+    let driver = unsafe { cudarc::driver::sys::is_culib_present() };
+    driver && CudaContext::device_count().is_ok_and(|n| n > 0)
+}
+
+impl Device {
+    /// Opens device `ordinal` and loads the kernels. Errors, never panics, when there is no
+    /// driver (`no CUDA driver found`) or no device (`no CUDA device`).
+    pub fn open(ordinal: usize) -> Result<Device> {
+        // SAFETY: as in `is_available`.
+        if !unsafe { cudarc::driver::sys::is_culib_present() } {
+            return Err(Error::NoCudaDriver);
+        }
+        match CudaContext::device_count() {
+            Ok(n) if n as usize > ordinal => {}
+            _ => return Err(Error::NoCudaDevice),
+        }
+        let ctx = CudaContext::new(ordinal)?;
+        // One stream does all the work, so cudarc's cross-stream event tracking is pure cost.
+        // SAFETY: called before any buffer or stream of this context exists.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.default_stream();
+        let module = ctx
+            .load_module(cudarc::nvrtc::Ptx::from_src(crate::PTX))
+            .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
+        let k = Kernels::load(&module)?;
+        Ok(Device { ctx, stream, k })
+    }
+
+    /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
+    pub fn name(&self) -> Result<String> {
+        Ok(self.ctx.name()?)
+    }
+
+    /// Free and total device memory in bytes.
+    pub fn memory(&self) -> Result<(usize, usize)> {
+        Ok(self.ctx.mem_get_info()?)
+    }
+
+    pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
+        Ok(self.stream.clone_htod(host)?)
+    }
+
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
+        Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
+        Ok(self.stream.clone_dtoh(src)?)
+    }
+
+    /// Waits for all launched work; a kernel fault surfaces here.
+    pub fn synchronize(&self) -> Result<()> {
+        Ok(self.stream.synchronize()?)
+    }
+
+    /// `out[r] = rms_norm(x[r]) * w` for every `w.len()`-long row. Twin: `cpu::rms_norm`.
+    pub fn rms_norm(
+        &self,
+        out: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<f32>,
+        eps: f32,
+    ) -> Result<()> {
+        let n = w.len();
+        check(
+            x.len() == out.len() && n > 0 && x.len() % n == 0,
+            "rms_norm: shapes",
+        )?;
+        let rows = (x.len() / n) as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (rows, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 32 * 4,
+        };
+        let (o, _o) = out.device_ptr_mut(&self.stream);
+        let (x, _x) = x.device_ptr(&self.stream);
+        let (w, _w) = w.device_ptr(&self.stream);
+        let n = n as u32;
+        let mut l = self.stream.launch_builder(&self.k.rms_norm);
+        l.arg(&o).arg(&x).arg(&w).arg(&n).arg(&eps);
+        // SAFETY: the kernel's parameters are (f32*, const f32*, const f32*, u32, f32) and it
+        // touches `rows * n` elements of out and x and `n` of w, all checked above.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `out[0] = argmax(x)`. Twin: `cpu::argmax`.
+    pub fn argmax(&self, out: &mut impl DevicePtrMut<u32>, x: &impl DevicePtr<f32>) -> Result<()> {
+        check(
+            out.len() >= 1 && x.len() <= u32::MAX as usize,
+            "argmax: shapes",
+        )?;
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (1024, 1, 1),
+            shared_mem_bytes: 64 * 4,
+        };
+        let n = x.len() as u32;
+        let (o, _o) = out.device_ptr_mut(&self.stream);
+        let (x, _x) = x.device_ptr(&self.stream);
+        let mut l = self.stream.launch_builder(&self.k.argmax);
+        l.arg(&o).arg(&x).arg(&n);
+        // SAFETY: parameters (u32*, const f32*, u32); reads n floats, writes one u32.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `y = w · x` with `w` f16 `[y.len(), x.len()]`. Twin: `cpu::gemv_f16`.
+    pub fn gemv_f16(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        w: &impl DevicePtr<f16>,
+        x: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        let (rows, cols) = (y.len(), x.len());
+        check(
+            w.len() == rows * cols && rows > 0 && cols > 0,
+            "gemv_f16: shapes",
+        )?;
+        let rows_per_block = BLOCK / 32;
+        let cfg = LaunchConfig {
+            grid_dim: ((rows as u32).div_ceil(rows_per_block), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let (yp, _y) = y.device_ptr_mut(&self.stream);
+        let (wp, _w) = w.device_ptr(&self.stream);
+        let (xp, _x) = x.device_ptr(&self.stream);
+        let (rows, cols) = (rows as u32, cols as u32);
+        let mut l = self.stream.launch_builder(&self.k.gemv_f16);
+        l.arg(&yp).arg(&wp).arg(&xp).arg(&rows).arg(&cols);
+        // SAFETY: parameters (f32*, const u16*, const f32*, u32, u32); sizes checked above.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+}
+
+fn check(ok: bool, what: &str) -> Result<()> {
+    if ok {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!("{what} do not match")))
+    }
+}

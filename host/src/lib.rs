@@ -1,0 +1,15 @@
+//! orcd: a pure-Rust inference engine for Qwen2-family GGUF models on NVIDIA GPUs.
+
+pub mod config;
+pub mod cpu;
+pub mod cuda;
+pub mod error;
+pub mod gguf;
+pub mod models;
+pub mod quant;
+pub mod tokenizer;
+
+pub use error::{Error, Result};
+
+/// The PTX of every kernel in `gpu-kernels/`, built by `build.rs`.
+pub const PTX: &str = include_str!(env!("ORCD_PTX"));
