@@ -50,3 +50,53 @@ impl Rng {
         (0..n).map(|_| self.next_f32()).collect()
     }
 }
+
+/// The default model's path: `$ORCD_MODEL`, else models.lock's default, fetched and cached on
+/// first use.
+pub fn model_path() -> PathBuf {
+    match std::env::var_os("ORCD_MODEL") {
+        Some(p) => PathBuf::from(p),
+        None => orcd::models::resolve(orcd::models::default_model())
+            .unwrap_or_else(|e| panic!("fetching the default model: {e}")),
+    }
+}
+
+/// One reference prompt: its ids, the reference greedy generation, and the teacher-forced
+/// top-5 (ids, logits) at each generated position.
+pub struct RefPrompt {
+    pub kind: String,
+    pub text: String,
+    pub ids: Vec<u32>,
+    pub generated: Vec<u32>,
+    pub top5_ids: Vec<Vec<u32>>,
+    pub top5_vals: Vec<Vec<f32>>,
+}
+
+impl RefPrompt {
+    /// The reference's top-1 minus top-2 logit at generated position `i`.
+    pub fn margin(&self, i: usize) -> f32 {
+        self.top5_vals[i][0] - self.top5_vals[i][1]
+    }
+}
+
+pub fn ref_prompts() -> Vec<RefPrompt> {
+    let ids = |v: &serde_json::Value| -> Vec<u32> {
+        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+    };
+    let vals = |v: &serde_json::Value| -> Vec<f32> {
+        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+    };
+    refs()["prompts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| RefPrompt {
+            kind: p["kind"].as_str().unwrap().into(),
+            text: p["text"].as_str().unwrap().into(),
+            ids: ids(&p["ids"]),
+            generated: ids(&p["gen"]),
+            top5_ids: p["top5_ids"].as_array().unwrap().iter().map(ids).collect(),
+            top5_vals: p["top5_vals"].as_array().unwrap().iter().map(vals).collect(),
+        })
+        .collect()
+}

