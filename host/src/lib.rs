@@ -1,12 +1,15 @@
 //! orcd: a pure-Rust inference engine for Qwen2-family GGUF models on NVIDIA GPUs.
 
+pub mod chat;
 pub mod config;
 pub mod cpu;
 pub mod cuda;
+pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod models;
 pub mod quant;
+pub mod sampling;
 pub mod tokenizer;
 
 pub use error::{Error, Result};

@@ -11,10 +11,12 @@ use serde_json::Value;
 fn tokenizer() -> Option<&'static Tokenizer> {
     static TOK: OnceLock<Option<Tokenizer>> = OnceLock::new();
     TOK.get_or_init(|| {
-        let path = std::env::var_os("ORCD_MODEL").map(PathBuf::from).unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                .join(".cache/orcd/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-        });
+        let path = std::env::var_os("ORCD_MODEL")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
+                    .join(".cache/orcd/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
+            });
         if !path.exists() {
             return None;
         }
@@ -45,7 +47,10 @@ fn prompt(kind: &str) -> Value {
 #[test]
 fn reference_strings_encode_to_reference_ids_and_back() {
     let Some(tok) = tokenizer() else { return };
-    let cases = orcd_tests::refs()["tokenizer"].as_array().expect("tokenizer refs").clone();
+    let cases = orcd_tests::refs()["tokenizer"]
+        .as_array()
+        .expect("tokenizer refs")
+        .clone();
     assert!(cases.len() >= 10);
     for case in &cases {
         let text = case["text"].as_str().expect("text");
@@ -84,7 +89,10 @@ fn chat_prompt_equals_reference() {
 fn raw_prompt_equals_reference() {
     let Some(tok) = tokenizer() else { return };
     let p = prompt("raw");
-    assert_eq!(tok.encode(p["text"].as_str().unwrap()).unwrap(), ids(&p["ids"]));
+    assert_eq!(
+        tok.encode(p["text"].as_str().unwrap()).unwrap(),
+        ids(&p["ids"])
+    );
 }
 
 #[test]
@@ -125,7 +133,10 @@ fn emoji_split_over_tokens_never_streams_a_replacement_char() {
 fn out_of_range_id_is_an_error() {
     let Some(tok) = tokenizer() else { return };
     let n = tok.vocab_size() as u32;
-    assert!(matches!(tok.decode(&[9707, n]), Err(orcd::Error::Tokenizer(_))));
+    assert!(matches!(
+        tok.decode(&[9707, n]),
+        Err(orcd::Error::Tokenizer(_))
+    ));
     assert!(tok.decode(&[u32::MAX]).is_err());
     assert!(tok.stream().push(n).is_err());
 }

@@ -1,0 +1,336 @@
+//! The library's front door: load a model for a device, then generate from a prompt or chat
+//! messages as a stream of events.
+//!
+//! ```no_run
+//! use orcd::engine::{Engine, Event, GenerateOptions, LoadOptions, Prompt};
+//! # fn main() -> orcd::Result<()> {
+//! let path = orcd::models::resolve(orcd::models::default_model())?;
+//! let mut engine = Engine::load(&path, &LoadOptions::default())?;
+//! let prompt = engine.prompt_ids(&Prompt::user("Write a haiku about the sea."))?;
+//! for event in engine.generate(prompt, GenerateOptions::default())? {
+//!     match event? {
+//!         Event::Token { text, .. } => print!("{text}"),
+//!         Event::Done(stats) => eprintln!("\n{:.1} tok/s", stats.decode_tok_per_s()),
+//!     }
+//! }
+//! # Ok(())
+//! # }
+//! ```
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Instant;
+
+use crate::chat::Message;
+use crate::cpu::model::CpuModel;
+use crate::gguf::Gguf;
+use crate::sampling::{SamplingParams, sample};
+use crate::tokenizer::{StreamDecoder, Tokenizer};
+use crate::{Error, Result};
+
+/// Where the model runs.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum DeviceChoice {
+    /// CUDA when a device is present, else the CPU.
+    #[default]
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct LoadOptions {
+    pub device: DeviceChoice,
+    /// Context length (KV cache positions); default: the smaller of the model's and 8192.
+    pub ctx: Option<usize>,
+}
+
+/// What to generate from.
+#[derive(Clone, Debug)]
+pub enum Prompt {
+    /// Text fed to the model as is (no chat template).
+    Raw(String),
+    /// A conversation, rendered with the model's chat template and the assistant's turn opened.
+    Chat(Vec<Message>),
+}
+
+impl Prompt {
+    /// A one-message conversation from the user.
+    pub fn user(text: &str) -> Prompt {
+        Prompt::Chat(vec![Message::new("user", text)])
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct GenerateOptions {
+    pub sampling: SamplingParams,
+    pub max_tokens: usize,
+    /// Set it from another thread (e.g. a Ctrl-C handler) to stop before the next token.
+    pub cancel: Option<Arc<AtomicBool>>,
+}
+
+impl Default for GenerateOptions {
+    fn default() -> Self {
+        GenerateOptions { sampling: SamplingParams::default(), max_tokens: 512, cancel: None }
+    }
+}
+
+/// Why generation ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StopReason {
+    /// The model emitted an end-of-sequence token (not part of the output).
+    Eos,
+    MaxTokens,
+    /// The KV cache is full.
+    Context,
+    Cancelled,
+}
+
+impl StopReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            StopReason::Eos => "eos",
+            StopReason::MaxTokens => "max_tokens",
+            StopReason::Context => "context",
+            StopReason::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Figures of one generation.
+#[derive(Clone, Debug)]
+pub struct Stats {
+    pub prompt_tokens: usize,
+    /// The generated text (`decode` of `tokens`).
+    pub text: String,
+    /// Generated tokens, the end-of-sequence token not counted.
+    pub tokens: Vec<u32>,
+    pub stop: StopReason,
+    /// From the call to the first generated token (prefill included).
+    pub ttft_s: f64,
+    pub prefill_s: f64,
+    /// Time spent on the tokens after the first.
+    pub decode_s: f64,
+    /// Forward steps after the prefill.
+    pub decode_steps: usize,
+}
+
+impl Stats {
+    pub fn prefill_tok_per_s(&self) -> f64 {
+        self.prompt_tokens as f64 / self.prefill_s.max(1e-9)
+    }
+
+    pub fn decode_tok_per_s(&self) -> f64 {
+        self.decode_steps as f64 / self.decode_s.max(1e-9)
+    }
+}
+
+/// One step of a generation.
+#[derive(Clone, Debug)]
+pub enum Event {
+    /// A generated token and the text it completes (may be empty while a UTF-8 character is
+    /// split over tokens).
+    Token { id: u32, text: String },
+    /// The last event: why it stopped and how fast it went.
+    Done(Stats),
+}
+
+/// A loaded model: weights on its device, tokenizer and chat template.
+pub struct Engine {
+    tokenizer: Tokenizer,
+    model: CpuModel,
+    device: String,
+    load_s: f64,
+}
+
+impl Engine {
+    pub fn load(path: &Path, opts: &LoadOptions) -> Result<Engine> {
+        let t0 = Instant::now();
+        let g = Gguf::open(path)?;
+        let tokenizer = Tokenizer::from_gguf(&g)?;
+        let device = match opts.device {
+            DeviceChoice::Cpu => "cpu",
+            DeviceChoice::Auto => "cpu",
+            DeviceChoice::Cuda => {
+                return Err(Error::Invalid(
+                    "--device cuda: the CUDA forward pass is not built yet; use --device cpu".into(),
+                ));
+            }
+        };
+        let ctx = opts.ctx.unwrap_or(8192);
+        let model = CpuModel::load(&g, ctx)?;
+        Ok(Engine { tokenizer, model, device: device.into(), load_s: t0.elapsed().as_secs_f64() })
+    }
+
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
+    }
+
+    /// "cpu" or the GPU's name.
+    pub fn device(&self) -> &str {
+        &self.device
+    }
+
+    /// Seconds `load` took.
+    pub fn load_s(&self) -> f64 {
+        self.load_s
+    }
+
+    /// The context length: prompt and generated tokens together fit in it.
+    pub fn ctx_len(&self) -> usize {
+        self.model.max_ctx()
+    }
+
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>> {
+        match prompt {
+            Prompt::Raw(text) => self.tokenizer.encode(text),
+            Prompt::Chat(messages) => self.tokenizer.chat_prompt(messages),
+        }
+    }
+
+    /// Logits after every token of `ids`, run as one prompt: `[ids.len()][vocab]`.
+    pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
+        self.check_fits(ids.len())?;
+        self.model.reset();
+        let vocab = self.model.cfg.vocab;
+        Ok(self.model.forward(ids, true)?.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+    }
+
+    /// Starts generating after `prompt` (token ids); the returned iterator runs one forward
+    /// step per `next`. Errors before any work if the prompt does not fit the context.
+    pub fn generate(&mut self, prompt: Vec<u32>, opts: GenerateOptions) -> Result<Generation<'_>> {
+        opts.sampling.validate()?;
+        self.check_fits(prompt.len())?;
+        if prompt.is_empty() {
+            return Err(Error::Invalid("the prompt is empty".into()));
+        }
+        self.model.reset();
+        Ok(Generation {
+            tokenizer: &self.tokenizer,
+            decoder: self.tokenizer.stream(),
+            engine_model: &mut self.model,
+            eos: self.tokenizer.eos_ids().to_vec(),
+            prompt_tokens: prompt.len(),
+            seq: prompt,
+            opts,
+            started: Instant::now(),
+            prefill_s: 0.0,
+            ttft_s: 0.0,
+            decode_s: 0.0,
+            decode_steps: 0,
+            next: None,
+            stop: None,
+            done: false,
+        })
+    }
+
+    fn check_fits(&self, n: usize) -> Result<()> {
+        if n > self.ctx_len() {
+            return Err(Error::Invalid(format!(
+                "the prompt has {n} tokens but the context holds {}",
+                self.ctx_len()
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// A generation in progress; iterate it for events. Ends with `Event::Done`.
+pub struct Generation<'a> {
+    engine_model: &'a mut CpuModel,
+    tokenizer: &'a Tokenizer,
+    decoder: StreamDecoder<'a>,
+    eos: Vec<u32>,
+    prompt_tokens: usize,
+    /// Prompt and generated tokens so far.
+    seq: Vec<u32>,
+    opts: GenerateOptions,
+    started: Instant,
+    prefill_s: f64,
+    ttft_s: f64,
+    decode_s: f64,
+    decode_steps: usize,
+    /// The logits for the next token, once the prefill has run.
+    next: Option<Vec<f32>>,
+    /// Set when the last token filled the context.
+    stop: Option<StopReason>,
+    done: bool,
+}
+
+impl Generation<'_> {
+    fn generated(&self) -> &[u32] {
+        &self.seq[self.prompt_tokens..]
+    }
+
+    fn finish(&mut self, stop: StopReason) -> Result<Event> {
+        self.done = true;
+        Ok(Event::Done(Stats {
+            prompt_tokens: self.prompt_tokens,
+            text: self.tokenizer.decode(self.generated())?,
+            tokens: self.generated().to_vec(),
+            stop,
+            ttft_s: self.ttft_s,
+            prefill_s: self.prefill_s,
+            decode_s: self.decode_s,
+            decode_steps: self.decode_steps,
+        }))
+    }
+
+    fn step(&mut self) -> Result<Event> {
+        let cancelled = self.opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+        if cancelled {
+            return self.finish(StopReason::Cancelled);
+        }
+        if let Some(stop) = self.stop {
+            return self.finish(stop);
+        }
+        if self.generated().len() >= self.opts.max_tokens {
+            return self.finish(StopReason::MaxTokens);
+        }
+        let mut logits = match self.next.take() {
+            Some(logits) => logits,
+            None => {
+                let t = Instant::now();
+                let logits = self.engine_model.forward(&self.seq, false)?;
+                self.prefill_s = t.elapsed().as_secs_f64();
+                logits
+            }
+        };
+        let step = self.generated().len() as u64;
+        let id = sample(&mut logits, &self.seq, &self.opts.sampling, step);
+        if step == 0 {
+            self.ttft_s = self.started.elapsed().as_secs_f64();
+        }
+        if self.eos.contains(&id) {
+            return self.finish(StopReason::Eos);
+        }
+        self.seq.push(id);
+        let text = self.decoder.push(id)?.unwrap_or_default();
+        // Run the token now, so that the next call only samples; stop when the cache is full.
+        let more = self.generated().len() < self.opts.max_tokens;
+        if more && self.seq.len() < self.engine_model.max_ctx() {
+            let t = Instant::now();
+            self.next = Some(self.engine_model.forward(&[id], false)?);
+            self.decode_s += t.elapsed().as_secs_f64();
+            self.decode_steps += 1;
+        } else if more {
+            self.stop = Some(StopReason::Context);
+        }
+        Ok(Event::Token { id, text })
+    }
+}
+
+impl Iterator for Generation<'_> {
+    type Item = Result<Event>;
+
+    fn next(&mut self) -> Option<Result<Event>> {
+        if self.done {
+            return None;
+        }
+        let event = self.step();
+        if event.is_err() {
+            self.done = true;
+        }
+        Some(event)
+    }
+}
