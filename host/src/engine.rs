@@ -71,7 +71,11 @@ pub struct GenerateOptions {
 
 impl Default for GenerateOptions {
     fn default() -> Self {
-        GenerateOptions { sampling: SamplingParams::default(), max_tokens: 512, cancel: None }
+        GenerateOptions {
+            sampling: SamplingParams::default(),
+            max_tokens: 512,
+            cancel: None,
+        }
     }
 }
 
@@ -153,13 +157,19 @@ impl Engine {
             DeviceChoice::Auto => "cpu",
             DeviceChoice::Cuda => {
                 return Err(Error::Invalid(
-                    "--device cuda: the CUDA forward pass is not built yet; use --device cpu".into(),
+                    "--device cuda: the CUDA forward pass is not built yet; use --device cpu"
+                        .into(),
                 ));
             }
         };
         let ctx = opts.ctx.unwrap_or(8192);
         let model = CpuModel::load(&g, ctx)?;
-        Ok(Engine { tokenizer, model, device: device.into(), load_s: t0.elapsed().as_secs_f64() })
+        Ok(Engine {
+            tokenizer,
+            model,
+            device: device.into(),
+            load_s: t0.elapsed().as_secs_f64(),
+        })
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -193,7 +203,12 @@ impl Engine {
         self.check_fits(ids.len())?;
         self.model.reset();
         let vocab = self.model.cfg.vocab;
-        Ok(self.model.forward(ids, true)?.chunks_exact(vocab).map(<[f32]>::to_vec).collect())
+        Ok(self
+            .model
+            .forward(ids, true)?
+            .chunks_exact(vocab)
+            .map(<[f32]>::to_vec)
+            .collect())
     }
 
     /// Starts generating after `prompt` (token ids); the returned iterator runs one forward
@@ -277,7 +292,11 @@ impl Generation<'_> {
     }
 
     fn step(&mut self) -> Result<Event> {
-        let cancelled = self.opts.cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed));
+        let cancelled = self
+            .opts
+            .cancel
+            .as_ref()
+            .is_some_and(|c| c.load(Ordering::Relaxed));
         if cancelled {
             return self.finish(StopReason::Cancelled);
         }

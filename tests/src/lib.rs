@@ -81,10 +81,18 @@ impl RefPrompt {
 
 pub fn ref_prompts() -> Vec<RefPrompt> {
     let ids = |v: &serde_json::Value| -> Vec<u32> {
-        v.as_array().unwrap().iter().map(|x| x.as_u64().unwrap() as u32).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap() as u32)
+            .collect()
     };
     let vals = |v: &serde_json::Value| -> Vec<f32> {
-        v.as_array().unwrap().iter().map(|x| x.as_f64().unwrap() as f32).collect()
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect()
     };
     refs()["prompts"]
         .as_array()
@@ -96,7 +104,12 @@ pub fn ref_prompts() -> Vec<RefPrompt> {
             ids: ids(&p["ids"]),
             generated: ids(&p["gen"]),
             top5_ids: p["top5_ids"].as_array().unwrap().iter().map(ids).collect(),
-            top5_vals: p["top5_vals"].as_array().unwrap().iter().map(vals).collect(),
+            top5_vals: p["top5_vals"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(vals)
+                .collect(),
         })
         .collect()
 }

@@ -42,12 +42,20 @@ fn teacher_forced_logits_match_reference() {
             }
             let diff = (row[want as usize] - want_logit).abs();
             worst = worst.max(diff);
-            assert!(diff <= 0.1, "{:?} pos {i}: logit of {want} is {} vs reference {want_logit}", p.text, row[want as usize]);
+            assert!(
+                diff <= 0.1,
+                "{:?} pos {i}: logit of {want} is {} vs reference {want_logit}",
+                p.text,
+                row[want as usize]
+            );
         }
         println!("{:?}: max |logit - reference| {worst:.4}", p.text);
     }
     println!("top-1 agreement {agree}/{total}");
-    assert!(agree * 100 >= total * 99, "top-1 agreement {agree}/{total} < 99%");
+    assert!(
+        agree * 100 >= total * 99,
+        "top-1 agreement {agree}/{total} < 99%"
+    );
 }
 
 #[test]
@@ -63,7 +71,11 @@ fn greedy_generation_matches_reference() {
         for i in 0..n {
             let t = orcd::cpu::argmax(&logits);
             if p.margin(i) < 0.05 {
-                assert!(p.top5_ids[i][..2].contains(&t), "{:?} pos {i}: {t} not in the near tie", p.text);
+                assert!(
+                    p.top5_ids[i][..2].contains(&t),
+                    "{:?} pos {i}: {t} not in the near tie",
+                    p.text
+                );
             } else {
                 assert_eq!(t, p.generated[i], "{:?} pos {i}", p.text);
             }

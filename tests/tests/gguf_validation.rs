@@ -164,7 +164,7 @@ impl GgufFile {
 
 /// Writes `bytes` to a file of its own (tests run in parallel) and returns its path.
 fn write(name: &str, bytes: &[u8]) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("orcd-gguf-test-{}", std::process::id()));
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join("gguf_validation");
     std::fs::create_dir_all(&dir).unwrap();
     let path = dir.join(format!("{name}.gguf"));
     std::fs::write(&path, bytes).unwrap();
@@ -780,21 +780,6 @@ fn wrong_tensor_shape_or_type() {
 
 // ---- The real default model ----
 
-/// The default model: `$ORCD_MODEL`, else the cache path; `None` if it is not on disk.
-fn default_model() -> Option<PathBuf> {
-    let path = match std::env::var_os("ORCD_MODEL") {
-        Some(p) => PathBuf::from(p),
-        None => PathBuf::from(std::env::var_os("HOME")?)
-            .join(".cache/orcd/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"),
-    };
-    if path.exists() {
-        Some(path)
-    } else {
-        println!("skipped: model not present");
-        None
-    }
-}
-
 /// A `/proc/self/status` field in kB (Linux).
 fn status_kb(field: &str) -> Option<u64> {
     let status = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -809,7 +794,7 @@ fn status_kb(field: &str) -> Option<u64> {
 
 #[test]
 fn real_model_header_and_config() {
-    let Some(path) = default_model() else { return };
+    let path = orcd_tests::model_path();
     let rss_before = status_kb("VmRSS:");
     let g = Gguf::open(&path).unwrap();
     // Peak during the open is at most the high-water mark now; its rise over the RSS before

@@ -1,5 +1,4 @@
 //! The GGUF tokenizer and chat template against Hugging Face's reference ids.
-use std::path::PathBuf;
 use std::sync::OnceLock;
 
 use orcd::chat::Message;
@@ -7,26 +6,12 @@ use orcd::gguf::Gguf;
 use orcd::tokenizer::Tokenizer;
 use serde_json::Value;
 
-/// The default model's tokenizer, built once; `None` after printing why when the model is absent.
-fn tokenizer() -> Option<&'static Tokenizer> {
-    static TOK: OnceLock<Option<Tokenizer>> = OnceLock::new();
+/// The default model's tokenizer, built once (the model is fetched on first use).
+fn tokenizer() -> &'static Tokenizer {
+    static TOK: OnceLock<Tokenizer> = OnceLock::new();
     TOK.get_or_init(|| {
-        let path = std::env::var_os("ORCD_MODEL")
-            .map(PathBuf::from)
-            .unwrap_or_else(|| {
-                PathBuf::from(std::env::var_os("HOME").unwrap_or_default())
-                    .join(".cache/orcd/models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf")
-            });
-        if !path.exists() {
-            return None;
-        }
-        let g = Gguf::open(&path).expect("opening the model");
-        Some(Tokenizer::from_gguf(&g).expect("building the tokenizer"))
-    })
-    .as_ref()
-    .or_else(|| {
-        println!("skipped: model not present");
-        None
+        let g = Gguf::open(&orcd_tests::model_path()).expect("opening the model");
+        Tokenizer::from_gguf(&g).expect("building the tokenizer")
     })
 }
 
@@ -46,7 +31,7 @@ fn prompt(kind: &str) -> Value {
 
 #[test]
 fn reference_strings_encode_to_reference_ids_and_back() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     let cases = orcd_tests::refs()["tokenizer"]
         .as_array()
         .expect("tokenizer refs")
@@ -62,7 +47,7 @@ fn reference_strings_encode_to_reference_ids_and_back() {
 
 #[test]
 fn metadata_ids_and_special_tokens() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     // From the GGUF's metadata and token types (see the model card and `xtask inspect`).
     assert_eq!(tok.vocab_size(), 151936);
     assert_eq!(tok.bos_id(), Some(151643));
@@ -79,7 +64,7 @@ fn metadata_ids_and_special_tokens() {
 
 #[test]
 fn chat_prompt_equals_reference() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     let p = prompt("chat");
     let messages = [Message::new("user", p["text"].as_str().unwrap())];
     assert_eq!(tok.chat_prompt(&messages).unwrap(), ids(&p["ids"]));
@@ -87,7 +72,7 @@ fn chat_prompt_equals_reference() {
 
 #[test]
 fn raw_prompt_equals_reference() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     let p = prompt("raw");
     assert_eq!(
         tok.encode(p["text"].as_str().unwrap()).unwrap(),
@@ -97,7 +82,7 @@ fn raw_prompt_equals_reference() {
 
 #[test]
 fn streaming_generations_equals_decoding() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     for p in orcd_tests::refs()["prompts"].as_array().unwrap() {
         let gen_ids = ids(&p["gen"]);
         let whole = tok.decode(&gen_ids).unwrap();
@@ -114,7 +99,7 @@ fn streaming_generations_equals_decoding() {
 
 #[test]
 fn emoji_split_over_tokens_never_streams_a_replacement_char() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     let text = "emoji 🚀🔥👩\u{200d}💻 mix";
     let ids = tok.encode(text).unwrap();
     // The reference splits 🚀 over three byte tokens (11162, 248, 222).
@@ -131,7 +116,7 @@ fn emoji_split_over_tokens_never_streams_a_replacement_char() {
 
 #[test]
 fn out_of_range_id_is_an_error() {
-    let Some(tok) = tokenizer() else { return };
+    let tok = tokenizer();
     let n = tok.vocab_size() as u32;
     assert!(matches!(
         tok.decode(&[9707, n]),

@@ -21,7 +21,10 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn path(&self) -> Result<std::path::PathBuf> {
-        let name = self.model.as_deref().unwrap_or(orcd::models::default_model());
+        let name = self
+            .model
+            .as_deref()
+            .unwrap_or(orcd::models::default_model());
         Ok(orcd::models::resolve(name)?)
     }
 
@@ -31,7 +34,13 @@ impl ModelArgs {
             "cuda" => DeviceChoice::Cuda,
             _ => DeviceChoice::Auto,
         };
-        Ok(Engine::load(&self.path()?, &LoadOptions { device, ctx: self.ctx })?)
+        Ok(Engine::load(
+            &self.path()?,
+            &LoadOptions {
+                device,
+                ctx: self.ctx,
+            },
+        )?)
     }
 }
 

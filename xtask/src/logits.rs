@@ -24,7 +24,8 @@ pub fn main(a: Args) -> Result<()> {
         let mut order: Vec<u32> = (0..row.len() as u32).collect();
         let k = a.top.min(order.len());
         // Largest first; equal logits in id order, as argmax breaks ties.
-        let better = |x: &u32, y: &u32| row[*y as usize].total_cmp(&row[*x as usize]).then(x.cmp(y));
+        let better =
+            |x: &u32, y: &u32| row[*y as usize].total_cmp(&row[*x as usize]).then(x.cmp(y));
         if k < order.len() {
             order.select_nth_unstable_by(k, better);
         }

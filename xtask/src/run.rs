@@ -71,7 +71,11 @@ pub fn main(a: Args) -> Result<()> {
     };
     let ids = engine.prompt_ids(&prompt)?;
     let (device, load_s) = (engine.device().to_string(), engine.load_s());
-    let opts = GenerateOptions { sampling, max_tokens: a.max_tokens, cancel: None };
+    let opts = GenerateOptions {
+        sampling,
+        max_tokens: a.max_tokens,
+        cancel: None,
+    };
     let mut stats: Option<Stats> = None;
     let mut out = std::io::stdout().lock();
     for event in engine.generate(ids.clone(), opts)? {

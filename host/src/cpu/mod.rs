@@ -33,16 +33,23 @@ pub fn argmax(x: &[f32]) -> u32 {
 /// `y[r] = sum_c w[r, c] * x[c]` for an f16 `[y.len(), x.len()]` row-major matrix.
 pub fn gemv_f16(y: &mut [f32], w: &[f16], x: &[f32]) {
     let cols = x.len();
-    y.par_iter_mut().zip(w.par_chunks_exact(cols)).for_each(|(y, row)| {
-        *y = row.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
-    });
+    y.par_iter_mut()
+        .zip(w.par_chunks_exact(cols))
+        .for_each(|(y, row)| {
+            *y = row.iter().zip(x).map(|(w, x)| w.to_f32() * x).sum();
+        });
 }
 
 /// Dot product with eight independent sums, so that the compiler vectorises it.
 pub fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ac, bc) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(a, b)| a * b).sum();
+    let tail: f32 = ac
+        .remainder()
+        .iter()
+        .zip(bc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
     for (a, b) in ac.zip(bc) {
         for i in 0..8 {
             acc[i] += a[i] * b[i];
@@ -79,8 +86,9 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n_in: usize, bias: Option<&
 /// `i + head_dim/2` by `position * theta^(-2i/head_dim)`, in f32 as Hugging Face's Qwen2 does.
 pub fn rope_neox(x: &mut [f32], row_len: usize, pos: usize, head_dim: usize, theta: f32) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f32> =
-        (0..half).map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32)).collect();
+    let inv_freq: Vec<f32> = (0..half)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect();
     for (t, row) in x.chunks_exact_mut(row_len).enumerate() {
         let p = (pos + t) as f32;
         for head in row.chunks_exact_mut(head_dim) {
@@ -110,22 +118,25 @@ pub fn attention(
     let (q_dim, kv_dim) = (n_heads * head_dim, n_kv * head_dim);
     let group = n_heads / n_kv;
     let scale = 1.0 / (head_dim as f32).sqrt();
-    out.par_chunks_exact_mut(head_dim).enumerate().for_each(|(i, out)| {
-        let (t, h) = (i / n_heads, i % n_heads);
-        let q = &q[t * q_dim + h * head_dim..][..head_dim];
-        let kv_off = (h / group) * head_dim;
-        let n_keys = pos + t + 1;
-        let mut scores: Vec<f32> =
-            (0..n_keys).map(|j| dot(q, &k_cache[j * kv_dim + kv_off..][..head_dim]) * scale).collect();
-        softmax(&mut scores);
-        out.fill(0.0);
-        for (j, s) in scores.iter().enumerate() {
-            let v = &v_cache[j * kv_dim + kv_off..][..head_dim];
-            for (o, v) in out.iter_mut().zip(v) {
-                *o += s * v;
+    out.par_chunks_exact_mut(head_dim)
+        .enumerate()
+        .for_each(|(i, out)| {
+            let (t, h) = (i / n_heads, i % n_heads);
+            let q = &q[t * q_dim + h * head_dim..][..head_dim];
+            let kv_off = (h / group) * head_dim;
+            let n_keys = pos + t + 1;
+            let mut scores: Vec<f32> = (0..n_keys)
+                .map(|j| dot(q, &k_cache[j * kv_dim + kv_off..][..head_dim]) * scale)
+                .collect();
+            softmax(&mut scores);
+            out.fill(0.0);
+            for (j, s) in scores.iter().enumerate() {
+                let v = &v_cache[j * kv_dim + kv_off..][..head_dim];
+                for (o, v) in out.iter_mut().zip(v) {
+                    *o += s * v;
+                }
             }
-        }
-    });
+        });
 }
 
 /// In-place softmax, max-subtracted.

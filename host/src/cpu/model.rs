@@ -68,7 +68,11 @@ impl CpuModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let output = if cfg.tied_output { None } else { Some(load("output.weight")?) };
+        let output = if cfg.tied_output {
+            None
+        } else {
+            Some(load("output.weight")?)
+        };
         Ok(CpuModel {
             token_embd: load("token_embd.weight")?,
             layers,
@@ -93,7 +97,10 @@ impl CpuModel {
 
     /// Empties the KV cache, for a new sequence.
     pub fn reset(&mut self) {
-        self.k_cache.iter_mut().chain(&mut self.v_cache).for_each(Vec::clear);
+        self.k_cache
+            .iter_mut()
+            .chain(&mut self.v_cache)
+            .for_each(Vec::clear);
     }
 
     /// Runs `tokens` at the positions after the cache's end (prefill when there are many,
@@ -109,7 +116,10 @@ impl CpuModel {
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
-            return Err(Error::Invalid(format!("token id {bad} is outside the vocabulary ({})", c.vocab)));
+            return Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                c.vocab
+            )));
         }
 
         // Token embedding.
@@ -136,7 +146,16 @@ impl CpuModel {
             rope_neox(&mut k, kv_dim, pos, c.head_dim, c.rope_theta);
             self.k_cache[l].extend_from_slice(&k);
             self.v_cache[l].extend_from_slice(&v);
-            attention(&mut att, &q, &self.k_cache[l], &self.v_cache[l], pos, c.n_heads, c.n_kv_heads, c.head_dim);
+            attention(
+                &mut att,
+                &q,
+                &self.k_cache[l],
+                &self.v_cache[l],
+                pos,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+            );
             matmul(&mut xb, &att, &w.wo, hidden, None);
             add(&mut x, &xb);
 
@@ -150,11 +169,21 @@ impl CpuModel {
         }
 
         // Final norm and output projection, for the rows asked for.
-        let x = if all_logits { &x[..] } else { &x[(n - 1) * hidden..] };
+        let x = if all_logits {
+            &x[..]
+        } else {
+            &x[(n - 1) * hidden..]
+        };
         let mut xn = vec![0.0; x.len()];
         rms_norm(&mut xn, x, &self.output_norm, c.rms_eps);
         let mut logits = vec![0.0; x.len() / hidden * c.vocab];
-        matmul(&mut logits, &xn, self.output.as_ref().unwrap_or(&self.token_embd), hidden, None);
+        matmul(
+            &mut logits,
+            &xn,
+            self.output.as_ref().unwrap_or(&self.token_embd),
+            hidden,
+            None,
+        );
         Ok(logits)
     }
 }

@@ -1,6 +1,7 @@
 //! The CUDA device layer: device 0, the embedded PTX loaded once, device buffers and one typed
 //! launch helper per kernel. Built on cudarc with dynamic loading, so the library compiles
 //! and its CPU parts run on machines without CUDA.
+use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
@@ -15,32 +16,26 @@ use crate::{Error, Result};
 const BLOCK: u32 = 256;
 
 /// An open CUDA device with the kernels loaded and one stream that every launch goes to.
+/// Launch helpers for each kernel family live in this module's files, as `impl Device` blocks.
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    k: Kernels,
+    kernels: HashMap<String, CudaFunction>,
 }
 
-/// The kernel functions of the embedded PTX, looked up once.
-struct Kernels {
-    rms_norm: CudaFunction,
-    argmax: CudaFunction,
-    gemv_f16: CudaFunction,
-}
-
-impl Kernels {
-    fn load(module: &Arc<CudaModule>) -> Result<Self> {
-        let f = |name: &str| {
-            module
+/// Every kernel (`.visible .entry NAME(`) of the PTX, looked up once.
+fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<String, CudaFunction>> {
+    let names = crate::PTX
+        .lines()
+        .filter_map(|l| l.strip_prefix(".visible .entry ")?.split('(').next());
+    names
+        .map(|name| {
+            let f = module
                 .load_function(name)
-                .map_err(|e| Error::Cuda(format!("kernel {name} not in the PTX: {e}")))
-        };
-        Ok(Kernels {
-            rms_norm: f("rms_norm")?,
-            argmax: f("argmax")?,
-            gemv_f16: f("gemv_f16")?,
+                .map_err(|e| Error::Cuda(format!("loading kernel {name}: {e}")))?;
+            Ok((name.to_string(), f))
         })
-    }
+        .collect()
 }
 
 /// Whether a CUDA device can be opened here, without opening it.
@@ -70,8 +65,12 @@ impl Device {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(crate::PTX))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
-        let k = Kernels::load(&module)?;
-        Ok(Device { ctx, stream, k })
+        let kernels = load_kernels(&module)?;
+        Ok(Device {
+            ctx,
+            stream,
+            kernels,
+        })
     }
 
     /// The device's name, e.g. "NVIDIA H100 80GB HBM3".
@@ -94,6 +93,18 @@ impl Device {
 
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
         Ok(self.stream.clone_dtoh(src)?)
+    }
+
+    /// The kernel called `name` (a bug in orcd if it is not in the PTX).
+    pub(crate) fn kernel(&self, name: &str) -> &CudaFunction {
+        self.kernels
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} is not in the PTX"))
+    }
+
+    /// The stream every launch goes to.
+    pub(crate) fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
     }
 
     /// Waits for all launched work; a kernel fault surfaces here.
@@ -124,7 +135,7 @@ impl Device {
         let (x, _x) = x.device_ptr(&self.stream);
         let (w, _w) = w.device_ptr(&self.stream);
         let n = n as u32;
-        let mut l = self.stream.launch_builder(&self.k.rms_norm);
+        let mut l = self.stream.launch_builder(self.kernel("rms_norm"));
         l.arg(&o).arg(&x).arg(&w).arg(&n).arg(&eps);
         // SAFETY: the kernel's parameters are (f32*, const f32*, const f32*, u32, f32) and it
         // touches `rows * n` elements of out and x and `n` of w, all checked above.
@@ -146,7 +157,7 @@ impl Device {
         let n = x.len() as u32;
         let (o, _o) = out.device_ptr_mut(&self.stream);
         let (x, _x) = x.device_ptr(&self.stream);
-        let mut l = self.stream.launch_builder(&self.k.argmax);
+        let mut l = self.stream.launch_builder(self.kernel("argmax"));
         l.arg(&o).arg(&x).arg(&n);
         // SAFETY: parameters (u32*, const f32*, u32); reads n floats, writes one u32.
         unsafe { l.launch(cfg) }?;
@@ -175,7 +186,7 @@ impl Device {
         let (wp, _w) = w.device_ptr(&self.stream);
         let (xp, _x) = x.device_ptr(&self.stream);
         let (rows, cols) = (rows as u32, cols as u32);
-        let mut l = self.stream.launch_builder(&self.k.gemv_f16);
+        let mut l = self.stream.launch_builder(self.kernel("gemv_f16"));
         l.arg(&yp).arg(&wp).arg(&xp).arg(&rows).arg(&cols);
         // SAFETY: parameters (f32*, const u16*, const f32*, u32, u32); sizes checked above.
         unsafe { l.launch(cfg) }?;
@@ -183,7 +194,7 @@ impl Device {
     }
 }
 
-fn check(ok: bool, what: &str) -> Result<()> {
+pub(crate) fn check(ok: bool, what: &str) -> Result<()> {
     if ok {
         Ok(())
     } else {

@@ -1,5 +1,4 @@
-//! Each GPU kernel against its CPU twin in `orcd::cpu`, on random inputs of the model's sizes
-//! and of odd sizes. Skipped (with a message) when there is no CUDA device.
+//! rms_norm, argmax and gemv_f16 against their CPU twins.
 use half::f16;
 use orcd::cpu;
 use orcd_tests::{Rng, gpu};
@@ -21,10 +20,11 @@ fn rms_norm_matches_cpu() {
             let mut out = dev.zeros::<f32>(rows * n).unwrap();
             dev.rms_norm(&mut out, &xd, &wd, 1e-6).unwrap();
             let got = dev.download(&out).unwrap();
-            // Only the order of the sum of squares differs: relative error ~1e-6.
+            // Only the order of the sum of n squares differs; its rounding grows with n
+            // (measured 1.0e-5 at n = 151936).
             let err = max_rel_err(&got, &want, 1e-6);
             println!("rms_norm n={n} rows={rows}: max rel err {err:.2e}");
-            assert!(err < 1e-5, "rms_norm n={n} rows={rows}: max rel err {err}");
+            assert!(err < 3e-5, "rms_norm n={n} rows={rows}: max rel err {err}");
         }
     }
 }
@@ -61,20 +61,36 @@ fn argmax_matches_cpu() {
 fn gemv_f16_matches_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(3);
-    let shapes = [(896, 896), (4864, 896), (896, 4864), (151936, 896), (7, 33), (1, 1), (33, 1023), (5, 4097)];
+    let shapes = [
+        (896, 896),
+        (4864, 896),
+        (896, 4864),
+        (151936, 896),
+        (7, 33),
+        (1, 1),
+        (33, 1023),
+        (5, 4097),
+    ];
     for (rows, cols) in shapes {
-        let w: Vec<f16> = rng.vec(rows * cols).into_iter().map(f16::from_f32).collect();
+        let w: Vec<f16> = rng
+            .vec(rows * cols)
+            .into_iter()
+            .map(f16::from_f32)
+            .collect();
         let x = rng.vec(cols);
         let mut want = vec![0.0; rows];
         cpu::gemv_f16(&mut want, &w, &x);
         let mut y = dev.zeros::<f32>(rows).unwrap();
-        dev.gemv_f16(&mut y, &dev.upload(&w).unwrap(), &dev.upload(&x).unwrap()).unwrap();
+        dev.gemv_f16(&mut y, &dev.upload(&w).unwrap(), &dev.upload(&x).unwrap())
+            .unwrap();
         let got = dev.download(&y).unwrap();
         // Both sum the same f32 products in a different order: the error is bounded by
         // ~cols * eps * sum|w*x|; scale by the row's sum of absolute products.
         let mut worst = 0.0f64;
         for r in 0..rows {
-            let mag: f32 = (0..cols).map(|c| (w[r * cols + c].to_f32() * x[c]).abs()).sum();
+            let mag: f32 = (0..cols)
+                .map(|c| (w[r * cols + c].to_f32() * x[c]).abs())
+                .sum();
             let err = ((got[r] - want[r]).abs() / mag.max(1e-30)) as f64;
             worst = worst.max(err);
         }
@@ -86,5 +102,8 @@ fn gemv_f16_matches_cpu() {
 /// Largest |a-b| / max(|b|, floor) over two slices.
 fn max_rel_err(a: &[f32], b: &[f32], floor: f32) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(a, b)| (a - b).abs() / b.abs().max(floor)).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(a, b)| (a - b).abs() / b.abs().max(floor))
+        .fold(0.0, f32::max)
 }
