@@ -7,8 +7,12 @@
 #![feature(abi_gpu_kernel, stdarch_nvptx, link_llvm_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem, core_intrinsics, f16)]
 #![allow(internal_features, clippy::missing_safety_doc)]
 
+pub mod attention;
+pub mod elementwise;
 pub mod matmul;
 pub mod norm;
+pub mod quant;
+pub mod rope;
 pub mod sampling;
 
 mod util;

@@ -93,3 +93,34 @@ pub fn warp_argmax(mut v: f32, mut i: u32) -> (f32, u32) {
 pub fn f16_to_f32(bits: u16) -> f32 {
     f16::from_bits(bits) as f32
 }
+
+unsafe extern "C" {
+    #[link_name = "llvm.nvvm.ex2.approx.f"]
+    fn ex2_approx(x: f32) -> f32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.f32"]
+    fn shfl_idx_f32(mask: u32, v: f32, lane: u32, clamp: u32) -> f32;
+}
+
+/// `e^x` through `ex2.approx.f32` (max relative error 2^-22 of the result, plus the rounding of
+/// `x * log2(e)`, ~|x| * 2^-24 relative); `exp(-inf) = 0`.
+#[inline(always)]
+pub fn exp(x: f32) -> f32 {
+    unsafe { ex2_approx(x * core::f32::consts::LOG2_E) }
+}
+
+/// Maximum over the 32 lanes of a warp; every lane gets the result.
+#[inline(always)]
+pub fn warp_max(mut v: f32) -> f32 {
+    let mut m = 16;
+    while m > 0 {
+        v = v.max(unsafe { shfl_bfly_f32(FULL_MASK, v, m, 0x1f) });
+        m >>= 1;
+    }
+    v
+}
+
+/// Lane `src`'s `v`, for every lane of the (full) warp.
+#[inline(always)]
+pub fn warp_broadcast(v: f32, src: u32) -> f32 {
+    unsafe { shfl_idx_f32(FULL_MASK, v, src, 0x1f) }
+}

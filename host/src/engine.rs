@@ -23,6 +23,8 @@ use std::time::Instant;
 
 use crate::chat::Message;
 use crate::cpu::model::CpuModel;
+use crate::cuda::Device;
+use crate::cuda::model::CudaModel;
 use crate::gguf::Gguf;
 use crate::sampling::{SamplingParams, sample};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -37,6 +39,9 @@ pub enum DeviceChoice {
     Cpu,
     Cuda,
 }
+
+/// The context length when none is asked for (and the model's is larger).
+pub const DEFAULT_CTX: usize = 8192;
 
 #[derive(Clone, Debug, Default)]
 pub struct LoadOptions {
@@ -139,37 +144,103 @@ pub enum Event {
     Done(Stats),
 }
 
+/// The forward pass on the device the model was loaded for.
+#[allow(clippy::large_enum_variant)] // one per engine; boxing buys nothing
+enum Model {
+    Cpu(CpuModel),
+    Cuda(CudaModel),
+}
+
+impl Model {
+    fn reset(&mut self) {
+        match self {
+            Model::Cpu(m) => m.reset(),
+            Model::Cuda(m) => m.reset(),
+        }
+    }
+
+    fn max_ctx(&self) -> usize {
+        match self {
+            Model::Cpu(m) => m.max_ctx(),
+            Model::Cuda(m) => m.max_ctx(),
+        }
+    }
+
+    fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        match self {
+            Model::Cpu(m) => m.forward(tokens, all_logits),
+            Model::Cuda(m) => m.forward(tokens, all_logits),
+        }
+    }
+
+    /// Runs `tokens` (the end of `seq`, not yet in the cache) and picks the next token.
+    fn next_token(
+        &mut self,
+        tokens: &[u32],
+        seq: &[u32],
+        p: &SamplingParams,
+        step: u64,
+    ) -> Result<u32> {
+        match self {
+            Model::Cpu(m) => Ok(sample(&mut m.forward(tokens, false)?, seq, p, step)),
+            Model::Cuda(m) => m.next_token(tokens, p, step),
+        }
+    }
+}
+
 /// A loaded model: weights on its device, tokenizer and chat template.
 pub struct Engine {
     tokenizer: Tokenizer,
-    model: CpuModel,
+    model: Model,
+    vocab: usize,
     device: String,
     load_s: f64,
+    notice: Option<String>,
 }
 
 impl Engine {
+    /// Loads the model at `path` for `opts.device`. With `Auto` and no GPU it runs on the CPU
+    /// and `notice` says why.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Engine> {
         let t0 = Instant::now();
         let g = Gguf::open(path)?;
         let tokenizer = Tokenizer::from_gguf(&g)?;
-        let device = match opts.device {
-            DeviceChoice::Cpu => "cpu",
-            DeviceChoice::Auto => "cpu",
-            DeviceChoice::Cuda => {
-                return Err(Error::Invalid(
-                    "--device cuda: the CUDA forward pass is not built yet; use --device cpu"
-                        .into(),
-                ));
+        let ctx = opts.ctx.unwrap_or(DEFAULT_CTX);
+        let mut notice = None;
+        let gpu = match opts.device {
+            DeviceChoice::Cpu => None,
+            DeviceChoice::Cuda => Some(Device::open(0)?),
+            DeviceChoice::Auto => Device::open(0)
+                .map_err(|e| notice = Some(format!("{e}: running on the CPU")))
+                .ok(),
+        };
+        let (model, device, vocab) = match gpu {
+            Some(dev) => {
+                let name = dev.name()?;
+                let m = CudaModel::load(dev, &g, ctx)?;
+                let vocab = m.cfg.vocab;
+                (Model::Cuda(m), name, vocab)
+            }
+            None => {
+                let m = CpuModel::load(&g, ctx)?;
+                let vocab = m.cfg.vocab;
+                (Model::Cpu(m), "cpu".to_string(), vocab)
             }
         };
-        let ctx = opts.ctx.unwrap_or(8192);
-        let model = CpuModel::load(&g, ctx)?;
+        let load_s = t0.elapsed().as_secs_f64();
         Ok(Engine {
             tokenizer,
             model,
-            device: device.into(),
-            load_s: t0.elapsed().as_secs_f64(),
+            vocab,
+            device,
+            load_s,
+            notice,
         })
+    }
+
+    /// Why `Auto` chose the CPU, if it did.
+    pub fn notice(&self) -> Option<&str> {
+        self.notice.as_deref()
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
@@ -202,11 +273,9 @@ impl Engine {
     pub fn logits(&mut self, ids: &[u32]) -> Result<Vec<Vec<f32>>> {
         self.check_fits(ids.len())?;
         self.model.reset();
-        let vocab = self.model.cfg.vocab;
-        Ok(self
-            .model
-            .forward(ids, true)?
-            .chunks_exact(vocab)
+        let logits = self.model.forward(ids, true)?;
+        Ok(logits
+            .chunks_exact(self.vocab)
             .map(<[f32]>::to_vec)
             .collect())
     }
@@ -221,9 +290,9 @@ impl Engine {
         }
         self.model.reset();
         Ok(Generation {
+            model: &mut self.model,
             tokenizer: &self.tokenizer,
             decoder: self.tokenizer.stream(),
-            engine_model: &mut self.model,
             eos: self.tokenizer.eos_ids().to_vec(),
             prompt_tokens: prompt.len(),
             seq: prompt,
@@ -233,8 +302,6 @@ impl Engine {
             ttft_s: 0.0,
             decode_s: 0.0,
             decode_steps: 0,
-            next: None,
-            stop: None,
             done: false,
         })
     }
@@ -252,12 +319,12 @@ impl Engine {
 
 /// A generation in progress; iterate it for events. Ends with `Event::Done`.
 pub struct Generation<'a> {
-    engine_model: &'a mut CpuModel,
+    model: &'a mut Model,
     tokenizer: &'a Tokenizer,
     decoder: StreamDecoder<'a>,
     eos: Vec<u32>,
     prompt_tokens: usize,
-    /// Prompt and generated tokens so far.
+    /// Prompt and generated tokens so far; all but the last generated one are in the cache.
     seq: Vec<u32>,
     opts: GenerateOptions,
     started: Instant,
@@ -265,10 +332,6 @@ pub struct Generation<'a> {
     ttft_s: f64,
     decode_s: f64,
     decode_steps: usize,
-    /// The logits for the next token, once the prefill has run.
-    next: Option<Vec<f32>>,
-    /// Set when the last token filled the context.
-    stop: Option<StopReason>,
     done: bool,
 }
 
@@ -300,41 +363,38 @@ impl Generation<'_> {
         if cancelled {
             return self.finish(StopReason::Cancelled);
         }
-        if let Some(stop) = self.stop {
-            return self.finish(stop);
-        }
-        if self.generated().len() >= self.opts.max_tokens {
+        let n_gen = self.generated().len();
+        if n_gen >= self.opts.max_tokens {
             return self.finish(StopReason::MaxTokens);
         }
-        let mut logits = match self.next.take() {
-            Some(logits) => logits,
-            None => {
-                let t = Instant::now();
-                let logits = self.engine_model.forward(&self.seq, false)?;
-                self.prefill_s = t.elapsed().as_secs_f64();
-                logits
-            }
+        // The first step runs the whole prompt; later ones the token generated last, which
+        // needs a free cache position.
+        let first = n_gen == 0;
+        if !first && self.seq.len() > self.model.max_ctx() {
+            return self.finish(StopReason::Context);
+        }
+        let feed = if first {
+            &self.seq[..]
+        } else {
+            &self.seq[self.seq.len() - 1..]
         };
-        let step = self.generated().len() as u64;
-        let id = sample(&mut logits, &self.seq, &self.opts.sampling, step);
-        if step == 0 {
+        let t = Instant::now();
+        let id = self
+            .model
+            .next_token(feed, &self.seq, &self.opts.sampling, n_gen as u64)?;
+        let took = t.elapsed().as_secs_f64();
+        if first {
+            self.prefill_s = took;
             self.ttft_s = self.started.elapsed().as_secs_f64();
+        } else {
+            self.decode_s += took;
+            self.decode_steps += 1;
         }
         if self.eos.contains(&id) {
             return self.finish(StopReason::Eos);
         }
         self.seq.push(id);
         let text = self.decoder.push(id)?.unwrap_or_default();
-        // Run the token now, so that the next call only samples; stop when the cache is full.
-        let more = self.generated().len() < self.opts.max_tokens;
-        if more && self.seq.len() < self.engine_model.max_ctx() {
-            let t = Instant::now();
-            self.next = Some(self.engine_model.forward(&[id], false)?);
-            self.decode_s += t.elapsed().as_secs_f64();
-            self.decode_steps += 1;
-        } else if more {
-            self.stop = Some(StopReason::Context);
-        }
         Ok(Event::Token { id, text })
     }
 }

@@ -34,13 +34,17 @@ impl ModelArgs {
             "cuda" => DeviceChoice::Cuda,
             _ => DeviceChoice::Auto,
         };
-        Ok(Engine::load(
+        let engine = Engine::load(
             &self.path()?,
             &LoadOptions {
                 device,
                 ctx: self.ctx,
             },
-        )?)
+        )?;
+        if let Some(notice) = engine.notice() {
+            eprintln!("note: {notice}");
+        }
+        Ok(engine)
     }
 }
 

@@ -86,9 +86,7 @@ pub fn matmul(out: &mut [f32], x: &[f32], w: &[f32], n_in: usize, bias: Option<&
 /// `i + head_dim/2` by `position * theta^(-2i/head_dim)`, in f32 as Hugging Face's Qwen2 does.
 pub fn rope_neox(x: &mut [f32], row_len: usize, pos: usize, head_dim: usize, theta: f32) {
     let half = head_dim / 2;
-    let inv_freq: Vec<f32> = (0..half)
-        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
-        .collect();
+    let inv_freq = rope_inv_freq(head_dim, theta);
     for (t, row) in x.chunks_exact_mut(row_len).enumerate() {
         let p = (pos + t) as f32;
         for head in row.chunks_exact_mut(head_dim) {
@@ -105,6 +103,7 @@ pub fn rope_neox(x: &mut [f32], row_len: usize, pos: usize, head_dim: usize, the
 /// `q` is `[n_tok, n_heads * head_dim]`; `k_cache`/`v_cache` hold `[pos + n_tok, n_kv * head_dim]`
 /// (this call's keys already appended). Query head `h` reads kv head `h / (n_heads / n_kv)`.
 /// Softmax subtracts the row maximum for stability.
+#[allow(clippy::too_many_arguments)] // the shapes, as the GPU kernel takes them
 pub fn attention(
     out: &mut [f32],
     q: &[f32],
@@ -164,4 +163,26 @@ pub fn add(x: &mut [f32], y: &[f32]) {
     for (x, y) in x.iter_mut().zip(y) {
         *x += y;
     }
+}
+
+/// The angles of `rope_neox` as a table for positions `0..max_pos`: `[max_pos, head_dim/2, 2]`
+/// of (cos, sin), each computed exactly as `rope_neox` computes it, so that a rotation read from
+/// the table (the GPU's way: nvptx has no accurate sin/cos) matches `rope_neox` bit for bit.
+pub fn rope_table(max_pos: usize, head_dim: usize, theta: f32) -> Vec<f32> {
+    let inv_freq = rope_inv_freq(head_dim, theta);
+    let mut table = Vec::with_capacity(max_pos * head_dim);
+    for p in 0..max_pos {
+        for f in &inv_freq {
+            let (sin, cos) = (p as f32 * f).sin_cos();
+            table.extend([cos, sin]);
+        }
+    }
+    table
+}
+
+/// RoPE's frequency of each pair of a head: `theta^(-2i/head_dim)`, in f32 as Hugging Face does.
+fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
+    (0..head_dim / 2)
+        .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
+        .collect()
 }

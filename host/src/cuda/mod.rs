@@ -8,9 +8,13 @@ use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
     DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
-use half::f16;
 
 use crate::{Error, Result};
+
+mod attention;
+mod matmul;
+pub mod model;
+mod sampling;
 
 /// Threads per block of the row-per-block and row-per-warp kernels.
 const BLOCK: u32 = 256;
@@ -61,7 +65,9 @@ impl Device {
         // One stream does all the work, so cudarc's cross-stream event tracking is pure cost.
         // SAFETY: called before any buffer or stream of this context exists.
         unsafe { ctx.disable_event_tracking() };
-        let stream = ctx.default_stream();
+        // A stream of our own (not the legacy default stream) so that work can be captured
+        // into CUDA graphs.
+        let stream = ctx.new_stream()?;
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(crate::PTX))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
@@ -89,6 +95,12 @@ impl Device {
 
     pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, len: usize) -> Result<CudaSlice<T>> {
         Ok(self.stream.alloc_zeros(len)?)
+    }
+
+    /// Copies `src` into the start of `dst`.
+    pub fn copy_to<T: DeviceRepr>(&self, dst: &mut impl DevicePtrMut<T>, src: &[T]) -> Result<()> {
+        check(src.len() <= dst.len(), "copy_to: lengths")?;
+        Ok(self.stream.memcpy_htod(src, dst)?)
     }
 
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
@@ -139,56 +151,6 @@ impl Device {
         l.arg(&o).arg(&x).arg(&w).arg(&n).arg(&eps);
         // SAFETY: the kernel's parameters are (f32*, const f32*, const f32*, u32, f32) and it
         // touches `rows * n` elements of out and x and `n` of w, all checked above.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// `out[0] = argmax(x)`. Twin: `cpu::argmax`.
-    pub fn argmax(&self, out: &mut impl DevicePtrMut<u32>, x: &impl DevicePtr<f32>) -> Result<()> {
-        check(
-            out.len() >= 1 && x.len() <= u32::MAX as usize,
-            "argmax: shapes",
-        )?;
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 64 * 4,
-        };
-        let n = x.len() as u32;
-        let (o, _o) = out.device_ptr_mut(&self.stream);
-        let (x, _x) = x.device_ptr(&self.stream);
-        let mut l = self.stream.launch_builder(self.kernel("argmax"));
-        l.arg(&o).arg(&x).arg(&n);
-        // SAFETY: parameters (u32*, const f32*, u32); reads n floats, writes one u32.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
-    }
-
-    /// `y = w · x` with `w` f16 `[y.len(), x.len()]`. Twin: `cpu::gemv_f16`.
-    pub fn gemv_f16(
-        &self,
-        y: &mut impl DevicePtrMut<f32>,
-        w: &impl DevicePtr<f16>,
-        x: &impl DevicePtr<f32>,
-    ) -> Result<()> {
-        let (rows, cols) = (y.len(), x.len());
-        check(
-            w.len() == rows * cols && rows > 0 && cols > 0,
-            "gemv_f16: shapes",
-        )?;
-        let rows_per_block = BLOCK / 32;
-        let cfg = LaunchConfig {
-            grid_dim: ((rows as u32).div_ceil(rows_per_block), 1, 1),
-            block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        let (yp, _y) = y.device_ptr_mut(&self.stream);
-        let (wp, _w) = w.device_ptr(&self.stream);
-        let (xp, _x) = x.device_ptr(&self.stream);
-        let (rows, cols) = (rows as u32, cols as u32);
-        let mut l = self.stream.launch_builder(self.kernel("gemv_f16"));
-        l.arg(&yp).arg(&wp).arg(&xp).arg(&rows).arg(&cols);
-        // SAFETY: parameters (f32*, const u16*, const f32*, u32, u32); sizes checked above.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }

@@ -1,0 +1,215 @@
+//! Launch helpers of the attention family: RoPE, the KV cache and causal GQA attention.
+//! Every kernel reads the current position from a one-element device buffer `pos`, so a
+//! captured CUDA graph replays for any position; the kernels trap (a CUDA error at the next
+//! synchronisation) when `pos` puts a row past the cache or the RoPE table.
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+
+use super::{BLOCK, Device, check};
+use crate::{Error, Result, cpu};
+
+/// Threads per block of the attention kernels: 16 warps, 16 query rows per prefill block.
+const ATTN_THREADS: u32 = 512;
+/// Keys per tile of `attention_prefill` (one per lane).
+const TILE_KEYS: usize = 32;
+/// The kernels keep a head's output dims in registers, four per lane.
+const MAX_HEAD_DIM: usize = 128;
+
+/// `n` as a kernel's `u32` size, or an error naming `what`.
+fn u32_of(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Invalid(format!("{what}: {n} does not fit in u32")))
+}
+
+impl Device {
+    /// Cos/sin of NeoX RoPE's angles for positions `0..max_pos`, `[max_pos, head_dim/2, 2]`
+    /// f32, computed on the host exactly as `cpu::rope_neox` computes them (see
+    /// `cpu::rope_table`), so that GPU and CPU rotations agree bit for bit.
+    pub fn rope_table(
+        &self,
+        max_pos: usize,
+        head_dim: usize,
+        theta: f32,
+    ) -> Result<CudaSlice<f32>> {
+        check(
+            max_pos > 0 && head_dim > 0 && head_dim.is_multiple_of(2),
+            "rope_table: max_pos and head_dim (even)",
+        )?;
+        u32_of(max_pos, "rope_table: max_pos")?;
+        self.upload(&cpu::rope_table(max_pos, head_dim, theta))
+    }
+
+    /// NeoX RoPE in place on `x = [rows, n_heads * head_dim]`, row `t` at position
+    /// `pos[0] + t`, with angles from `table` (from `rope_table`). Twin: `cpu::rope_neox`.
+    pub fn rope_neox(
+        &self,
+        x: &mut impl DevicePtrMut<f32>,
+        pos: &impl DevicePtr<u32>,
+        table: &impl DevicePtr<f32>,
+        n_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        let row_len = n_heads * head_dim;
+        check(
+            head_dim > 0 && head_dim.is_multiple_of(2) && n_heads > 0 && pos.len() >= 1,
+            "rope_neox: n_heads, head_dim (even) and pos",
+        )?;
+        check(
+            x.len() > 0 && x.len().is_multiple_of(row_len) && table.len().is_multiple_of(head_dim),
+            "rope_neox: shapes of x and table",
+        )?;
+        let (rows, max_pos) = (x.len() / row_len, table.len() / head_dim);
+        check(rows <= max_pos, "rope_neox: rows and the table's positions")?;
+        let pairs = u32_of(x.len() / 2, "rope_neox: x")?;
+        let (rows, max_pos) = (rows as u32, u32_of(max_pos, "rope_neox: table")?);
+        let (n_heads, half) = (n_heads as u32, (head_dim / 2) as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (pairs.div_ceil(BLOCK), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = self.stream();
+        let (xp, _x) = x.device_ptr_mut(stream);
+        let (pp, _p) = pos.device_ptr(stream);
+        let (tp, _t) = table.device_ptr(stream);
+        let mut l = stream.launch_builder(self.kernel("rope_neox"));
+        l.arg(&xp)
+            .arg(&pp)
+            .arg(&tp)
+            .arg(&rows)
+            .arg(&n_heads)
+            .arg(&half)
+            .arg(&max_pos);
+        // SAFETY: parameters (f32*, const u32*, const f32*, u32, u32, u32, u32). One thread per
+        // pair of the `rows * n_heads * half` pairs of x; table rows pos[0]..pos[0] + rows are
+        // below max_pos or the kernel traps.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Copies `k, v = [rows, kv_dim]` into rows `pos[0]..pos[0] + rows` of
+    /// `k_cache, v_cache = [max_pos, kv_dim]`.
+    pub fn kv_append(
+        &self,
+        k_cache: &mut impl DevicePtrMut<f32>,
+        v_cache: &mut impl DevicePtrMut<f32>,
+        k: &impl DevicePtr<f32>,
+        v: &impl DevicePtr<f32>,
+        pos: &impl DevicePtr<u32>,
+        kv_dim: usize,
+    ) -> Result<()> {
+        check(
+            kv_dim > 0 && pos.len() >= 1 && k.len() > 0 && k.len() == v.len(),
+            "kv_append: kv_dim, pos, k and v",
+        )?;
+        check(
+            k.len().is_multiple_of(kv_dim)
+                && k_cache.len() == v_cache.len()
+                && k_cache.len().is_multiple_of(kv_dim)
+                && k.len() <= k_cache.len(),
+            "kv_append: shapes of k and the caches",
+        )?;
+        u32_of(k_cache.len(), "kv_append: k_cache")?;
+        let (rows, max_pos) = ((k.len() / kv_dim) as u32, (k_cache.len() / kv_dim) as u32);
+        let n = k.len() as u32;
+        let kv_dim = kv_dim as u32;
+        let cfg = LaunchConfig {
+            grid_dim: (n.div_ceil(BLOCK), 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = self.stream();
+        let (kc, _kc) = k_cache.device_ptr_mut(stream);
+        let (vc, _vc) = v_cache.device_ptr_mut(stream);
+        let (kp, _k) = k.device_ptr(stream);
+        let (vp, _v) = v.device_ptr(stream);
+        let (pp, _p) = pos.device_ptr(stream);
+        let mut l = stream.launch_builder(self.kernel("kv_append"));
+        l.arg(&kc).arg(&vc).arg(&kp).arg(&vp).arg(&pp);
+        l.arg(&rows).arg(&kv_dim).arg(&max_pos);
+        // SAFETY: parameters (f32*, f32*, const f32*, const f32*, const u32*, u32, u32, u32).
+        // Reads rows * kv_dim of k and v; writes cache rows pos[0]..pos[0] + rows, below
+        // max_pos or the kernel traps.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Causal GQA attention of `q = [rows, n_heads * head_dim]`, row `t` at position
+    /// `pos[0] + t` over keys `0..=pos[0] + t` of `k_cache, v_cache = [max_pos, n_kv_heads *
+    /// head_dim]` (this call's keys already appended), into `out` (the shape of q). One row
+    /// runs the decode kernel, more the prefill kernel. head_dim <= 128. Twin: `cpu::attention`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        out: &mut impl DevicePtrMut<f32>,
+        q: &impl DevicePtr<f32>,
+        k_cache: &impl DevicePtr<f32>,
+        v_cache: &impl DevicePtr<f32>,
+        pos: &impl DevicePtr<u32>,
+        rows: usize,
+        n_heads: usize,
+        n_kv_heads: usize,
+        head_dim: usize,
+    ) -> Result<()> {
+        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+            return Err(Error::Invalid(format!(
+                "attention: head_dim {head_dim} is not supported (1..={MAX_HEAD_DIM})"
+            )));
+        }
+        check(
+            rows > 0
+                && n_kv_heads > 0
+                && n_heads.is_multiple_of(n_kv_heads)
+                && n_heads >= n_kv_heads,
+            "attention: rows and head counts",
+        )?;
+        let kv_dim = n_kv_heads * head_dim;
+        check(
+            pos.len() >= 1
+                && q.len() == rows * n_heads * head_dim
+                && out.len() == q.len()
+                && k_cache.len() == v_cache.len()
+                && k_cache.len().is_multiple_of(kv_dim)
+                && k_cache.len() / kv_dim >= rows,
+            "attention: shapes of pos, q, out and the caches",
+        )?;
+        u32_of(k_cache.len().max(q.len()), "attention: buffers")?;
+        let max_pos = (k_cache.len() / kv_dim) as u32;
+        let (n_heads, n_kv, hd) = (n_heads as u32, n_kv_heads as u32, head_dim);
+        let scale = 1.0 / (hd as f32).sqrt();
+        let warps = (ATTN_THREADS / 32) as usize;
+        let (name, grid, shared) = if rows == 1 {
+            ("attention_decode", (n_heads, 1, 1), warps * (hd + 2))
+        } else {
+            let blocks = rows.div_ceil(warps) as u32;
+            let shared = TILE_KEYS * (hd + 1) + TILE_KEYS * hd + warps * hd;
+            ("attention_prefill", (blocks, n_heads, 1), shared)
+        };
+        let cfg = LaunchConfig {
+            grid_dim: grid,
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: (shared * 4) as u32,
+        };
+        let stream = self.stream();
+        let (op, _o) = out.device_ptr_mut(stream);
+        let (qp, _q) = q.device_ptr(stream);
+        let (kc, _k) = k_cache.device_ptr(stream);
+        let (vc, _v) = v_cache.device_ptr(stream);
+        let (pp, _p) = pos.device_ptr(stream);
+        let (rows, hd) = (rows as u32, hd as u32);
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
+        if rows > 1 {
+            l.arg(&rows);
+        }
+        l.arg(&n_heads)
+            .arg(&n_kv)
+            .arg(&hd)
+            .arg(&max_pos)
+            .arg(&scale);
+        // SAFETY: parameters (f32*, const f32*, const f32*, const f32*, const u32*, [u32 rows,]
+        // u32, u32, u32, u32, f32) as the kernels declare them. q and out hold rows * n_heads *
+        // head_dim; the kernels read cache rows 0..pos[0] + rows, below max_pos or they trap;
+        // the block has 512 >= head_dim threads and the shared memory the kernels' docs ask.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+}

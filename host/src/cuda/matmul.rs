@@ -1,0 +1,201 @@
+//! Launch helpers of the matmul, quant and elementwise kernel families
+//! (gpu-kernels/src/{matmul,quant,elementwise}.rs).
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use half::f16;
+
+use super::{BLOCK, Device, check};
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+
+/// The GEMM kernel's output tile (tokens × outputs), its block size and its shared memory:
+/// two `[32][64 + 4]` f32 tiles. They must match gpu-kernels/src/matmul.rs.
+const GEMM_TILE: u32 = 64;
+const GEMM_THREADS: u32 = 256;
+const GEMM_SHARED_BYTES: u32 = 2 * 32 * (64 + 4) * 4;
+
+/// `n` as a kernel's `u32` size, or an error naming `what`.
+fn size_u32(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Invalid(format!("{what}: {n} is too large for a kernel")))
+}
+
+/// Blocks of `BLOCK` threads for one thread per element.
+fn one_per_element(n: u32) -> LaunchConfig {
+    LaunchConfig {
+        grid_dim: (n.div_ceil(BLOCK), 1, 1),
+        block_dim: (BLOCK, 1, 1),
+        shared_mem_bytes: 0,
+    }
+}
+
+impl Device {
+    /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` f16
+    /// `[n_out, n_in]` row-major and f32 accumulation. `x` and `y` may be longer than
+    /// `rows` rows (reused buffers); the rest is untouched. `rows == 1` runs the GEMV kernel
+    /// (one warp per output), `rows > 1` the tiled GEMM. Twin: `cpu::matmul`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_f16(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<f16>,
+        bias: Option<&CudaSlice<f32>>,
+        rows: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> Result<()> {
+        check(
+            x.len() >= rows * n_in
+                && y.len() >= rows * n_out
+                && w.len() == n_out * n_in
+                && bias.is_none_or(|b| b.len() == n_out),
+            "matmul_f16: shapes",
+        )?;
+        if rows == 0 || n_out == 0 {
+            return Ok(());
+        }
+        let rows32 = size_u32(rows, "matmul_f16 rows")?;
+        let n_in32 = size_u32(n_in, "matmul_f16 n_in")?;
+        let n_out32 = size_u32(n_out, "matmul_f16 n_out")?;
+        let stream = self.stream();
+        let (yp, _y) = y.device_ptr_mut(stream);
+        let (xp, _x) = x.device_ptr(stream);
+        let (wp, _w) = w.device_ptr(stream);
+        let bias = bias.map(|b| b.device_ptr(stream));
+        // A null bias pointer: the kernels add nothing.
+        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
+        if rows == 1 {
+            let cfg = LaunchConfig {
+                grid_dim: (n_out32.div_ceil(BLOCK / 32), 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let mut l = stream.launch_builder(self.kernel("gemv_f16"));
+            l.arg(&yp)
+                .arg(&xp)
+                .arg(&wp)
+                .arg(&bp)
+                .arg(&n_in32)
+                .arg(&n_out32);
+            // SAFETY: parameters (f32*, const f32*, const u16*, const f32* or null, u32, u32);
+            // the kernel reads n_in of x, n_out·n_in of w, n_out of bias and writes n_out of y,
+            // all checked above.
+            unsafe { l.launch(cfg) }?;
+        } else {
+            let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
+            let cfg = LaunchConfig {
+                grid_dim: (size_u32(tiles, "matmul_f16 tiles")?, 1, 1),
+                block_dim: (GEMM_THREADS, 1, 1),
+                shared_mem_bytes: GEMM_SHARED_BYTES,
+            };
+            let mut l = stream.launch_builder(self.kernel("gemm_f16"));
+            l.arg(&yp).arg(&xp).arg(&wp).arg(&bp);
+            l.arg(&rows32).arg(&n_in32).arg(&n_out32);
+            // SAFETY: parameters (f32*, const f32*, const u16*, const f32* or null, u32, u32,
+            // u32); the kernel reads rows·n_in of x, n_out·n_in of w, n_out of bias and writes
+            // rows·n_out of y, all checked above; block and shared size are the kernel's.
+            unsafe { l.launch(cfg) }?;
+        }
+        Ok(())
+    }
+
+    /// `y = w · x` with `w` f16 `[y.len(), x.len()]`. Twin: `cpu::gemv_f16`.
+    pub fn gemv_f16(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        w: &impl DevicePtr<f16>,
+        x: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        let (n_out, n_in) = (y.len(), x.len());
+        self.matmul_f16(y, x, w, None, 1, n_in, n_out)
+    }
+
+    /// `out[t, :]` = row `tokens[t]` of the embedding table dequantized, for `t` in
+    /// `0..n_tokens`. `table` holds the raw file bytes of a `[rows, hidden]` tensor of type `ty`;
+    /// a token id beyond its rows gives a row of NaN. Twin: `quant::dequantize` of the row.
+    pub fn embed(
+        &self,
+        out: &mut impl DevicePtrMut<f32>,
+        table: &impl DevicePtr<u8>,
+        ty: GgmlType,
+        tokens: &impl DevicePtr<u32>,
+        n_tokens: usize,
+        hidden: usize,
+    ) -> Result<()> {
+        let row_bytes = ty.row_bytes(hidden).filter(|&b| b > 0).ok_or_else(|| {
+            Error::Invalid(format!(
+                "embed: rows of {hidden} are not a whole number of {}-element {} blocks",
+                ty.block_elems(),
+                ty.name()
+            ))
+        })?;
+        check(
+            tokens.len() >= n_tokens
+                && out.len() >= n_tokens * hidden
+                && table.len() >= row_bytes
+                && table.len().is_multiple_of(row_bytes),
+            "embed: shapes",
+        )?;
+        if n_tokens == 0 {
+            return Ok(());
+        }
+        let n_rows = size_u32(table.len() / row_bytes, "embed rows")?;
+        let (hidden, ty) = (size_u32(hidden, "embed hidden")?, ty as u32);
+        let cfg = LaunchConfig {
+            grid_dim: (size_u32(n_tokens, "embed tokens")?, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let stream = self.stream();
+        let (op, _o) = out.device_ptr_mut(stream);
+        let (tp, _t) = table.device_ptr(stream);
+        let (kp, _k) = tokens.device_ptr(stream);
+        let mut l = stream.launch_builder(self.kernel("embed"));
+        l.arg(&op)
+            .arg(&tp)
+            .arg(&ty)
+            .arg(&kp)
+            .arg(&n_rows)
+            .arg(&hidden);
+        // SAFETY: parameters (f32*, const u8*, u32, const u32*, u32, u32); the kernel reads
+        // n_tokens ids, rows below n_rows of the table (whole rows, checked above) and writes
+        // n_tokens·hidden of out.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `gate[i] = silu(gate[i])·up[i]`. Twin: `cpu::silu_mul`.
+    pub fn silu_mul(
+        &self,
+        gate: &mut impl DevicePtrMut<f32>,
+        up: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        self.elementwise("silu_mul", gate, up)
+    }
+
+    /// `x[i] += y[i]`. Twin: `cpu::add`.
+    pub fn add(&self, x: &mut impl DevicePtrMut<f32>, y: &impl DevicePtr<f32>) -> Result<()> {
+        self.elementwise("add", x, y)
+    }
+
+    /// Launches the elementwise kernel `name(a*, const b*, n)` over `a.len() == b.len()` items.
+    fn elementwise(
+        &self,
+        name: &str,
+        a: &mut impl DevicePtrMut<f32>,
+        b: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        check(a.len() == b.len(), &format!("{name}: lengths"))?;
+        if a.is_empty() {
+            return Ok(());
+        }
+        let n = size_u32(a.len(), name)?;
+        let stream = self.stream();
+        let (ap, _a) = a.device_ptr_mut(stream);
+        let (bp, _b) = b.device_ptr(stream);
+        let mut l = stream.launch_builder(self.kernel(name));
+        l.arg(&ap).arg(&bp).arg(&n);
+        // SAFETY: both kernels take (f32*, const f32*, u32) and touch n elements of each.
+        unsafe { l.launch(one_per_element(n)) }?;
+        Ok(())
+    }
+}

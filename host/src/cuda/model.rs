@@ -1,0 +1,427 @@
+//! The Qwen2 forward pass on the GPU: the twin of `cpu::model`, the same steps in the same
+//! order with the same names, each a kernel from `gpu-kernels/`.
+//!
+//! Weights are uploaded once (matrices dequantized to f16, the embedding table in the file's own
+//! type, norms and biases f32); the KV cache and every activation buffer are allocated at load,
+//! so nothing is allocated per token.
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+use half::f16;
+
+use super::Device;
+use crate::config::Config;
+use crate::gguf::Gguf;
+use crate::quant::{GgmlType, dequantize_f16, dequantize_to_vec};
+use crate::sampling::SamplingParams;
+use crate::{Error, Result};
+
+/// Most tokens one prefill step runs; longer prompts go in chunks of this many.
+const MAX_BATCH: usize = 512;
+
+struct Layer {
+    attn_norm: CudaSlice<f32>,
+    wq: CudaSlice<f16>,
+    bq: CudaSlice<f32>,
+    wk: CudaSlice<f16>,
+    bk: CudaSlice<f32>,
+    wv: CudaSlice<f16>,
+    bv: CudaSlice<f32>,
+    wo: CudaSlice<f16>,
+    ffn_norm: CudaSlice<f32>,
+    w_gate: CudaSlice<f16>,
+    w_up: CudaSlice<f16>,
+    w_down: CudaSlice<f16>,
+    k_cache: CudaSlice<f32>,
+    v_cache: CudaSlice<f32>,
+}
+
+/// Activations for up to `MAX_BATCH` tokens.
+struct Buffers {
+    x: CudaSlice<f32>,
+    xb: CudaSlice<f32>,
+    q: CudaSlice<f32>,
+    k: CudaSlice<f32>,
+    v: CudaSlice<f32>,
+    att: CudaSlice<f32>,
+    gate: CudaSlice<f32>,
+    up: CudaSlice<f32>,
+    logits: CudaSlice<f32>,
+    /// Every token fed so far (the embedding reads its ids here, the sampler's penalty too).
+    tokens: CudaSlice<u32>,
+    /// Position of the first token of the current step, read by RoPE, the cache and attention.
+    pos: CudaSlice<u32>,
+    next: CudaSlice<u32>,
+}
+
+pub struct CudaModel {
+    pub cfg: Config,
+    dev: Device,
+    token_embd: CudaSlice<u8>,
+    token_embd_ty: GgmlType,
+    layers: Vec<Layer>,
+    output_norm: CudaSlice<f32>,
+    output: CudaSlice<f16>,
+    rope: CudaSlice<f32>,
+    buf: Buffers,
+    /// Tokens in the KV cache.
+    pos: usize,
+    max_ctx: usize,
+}
+
+impl CudaModel {
+    /// Uploads the weights of `g` and allocates a KV cache of `max_ctx` positions. Fails with
+    /// what is needed and what is free when the GPU's memory is too small.
+    pub fn load(dev: Device, g: &Gguf, max_ctx: usize) -> Result<CudaModel> {
+        let cfg = Config::from_gguf(g)?;
+        cfg.check_tensors(g)?;
+        let max_ctx = max_ctx.min(cfg.ctx_len);
+        check_memory(&dev, &cfg, g, max_ctx)?;
+
+        let f32s = |name: &str| -> Result<CudaSlice<f32>> {
+            let t = g.tensor(name)?;
+            dev.upload(&dequantize_to_vec(t.ty, g.tensor_data(t))?)
+        };
+        let f16s = |name: &str| -> Result<CudaSlice<f16>> {
+            let t = g.tensor(name)?;
+            let mut w = vec![f16::ZERO; t.n_elems() as usize];
+            dequantize_f16(t.ty, g.tensor_data(t), &mut w)?;
+            dev.upload(&w)
+        };
+        let kv_len = max_ctx * cfg.kv_dim();
+        let layers = (0..cfg.n_layers)
+            .map(|l| {
+                let name = |s: &str| format!("blk.{l}.{s}");
+                Ok(Layer {
+                    attn_norm: f32s(&name("attn_norm.weight"))?,
+                    wq: f16s(&name("attn_q.weight"))?,
+                    bq: f32s(&name("attn_q.bias"))?,
+                    wk: f16s(&name("attn_k.weight"))?,
+                    bk: f32s(&name("attn_k.bias"))?,
+                    wv: f16s(&name("attn_v.weight"))?,
+                    bv: f32s(&name("attn_v.bias"))?,
+                    wo: f16s(&name("attn_output.weight"))?,
+                    ffn_norm: f32s(&name("ffn_norm.weight"))?,
+                    w_gate: f16s(&name("ffn_gate.weight"))?,
+                    w_up: f16s(&name("ffn_up.weight"))?,
+                    w_down: f16s(&name("ffn_down.weight"))?,
+                    k_cache: dev.zeros(kv_len)?,
+                    v_cache: dev.zeros(kv_len)?,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let embd = g.tensor("token_embd.weight")?;
+        let output_name = if cfg.tied_output {
+            "token_embd.weight"
+        } else {
+            "output.weight"
+        };
+        let (h, n) = (cfg.hidden, MAX_BATCH);
+        let buf = Buffers {
+            x: dev.zeros(n * h)?,
+            xb: dev.zeros(n * h)?,
+            q: dev.zeros(n * h)?,
+            k: dev.zeros(n * cfg.kv_dim())?,
+            v: dev.zeros(n * cfg.kv_dim())?,
+            att: dev.zeros(n * h)?,
+            gate: dev.zeros(n * cfg.ffn)?,
+            up: dev.zeros(n * cfg.ffn)?,
+            logits: dev.zeros(n * cfg.vocab)?,
+            tokens: dev.zeros(max_ctx)?,
+            pos: dev.zeros(1)?,
+            next: dev.zeros(1)?,
+        };
+        Ok(CudaModel {
+            token_embd: dev.upload(g.tensor_data(embd))?,
+            token_embd_ty: embd.ty,
+            layers,
+            output_norm: f32s("output_norm.weight")?,
+            output: f16s(output_name)?,
+            rope: dev.rope_table(max_ctx, cfg.head_dim, cfg.rope_theta)?,
+            buf,
+            pos: 0,
+            max_ctx,
+            cfg,
+            dev,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.dev
+    }
+
+    pub fn max_ctx(&self) -> usize {
+        self.max_ctx
+    }
+
+    /// Empties the KV cache, for a new sequence.
+    pub fn reset(&mut self) {
+        self.pos = 0;
+    }
+
+    /// Runs `tokens` after the cache's end and returns the logits of the last token, or of every
+    /// token (`[tokens.len(), vocab]`) when `all_logits`.
+    pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        let vocab = self.cfg.vocab;
+        let mut logits = Vec::with_capacity(if all_logits {
+            tokens.len() * vocab
+        } else {
+            vocab
+        });
+        for chunk in tokens.chunks(MAX_BATCH) {
+            let rows = self.forward_chunk(chunk, all_logits)?;
+            logits.extend(self.dev.download(&self.buf.logits.slice(..rows * vocab))?);
+        }
+        if !all_logits {
+            logits.drain(..logits.len() - vocab);
+        }
+        Ok(logits)
+    }
+
+    /// Runs `tokens` and picks the next token on the GPU, so that only its id crosses to the
+    /// host. `step` numbers the draws of the sampler.
+    pub fn next_token(&mut self, tokens: &[u32], p: &SamplingParams, step: u64) -> Result<u32> {
+        if !Device::can_sample(p) {
+            let mut logits = self.forward(tokens, false)?;
+            let recent = self.dev.download(&self.buf.tokens.slice(..self.pos))?;
+            return Ok(crate::sampling::sample(&mut logits, &recent, p, step));
+        }
+        for chunk in tokens.chunks(MAX_BATCH) {
+            self.forward_chunk(chunk, false)?;
+        }
+        let b = &mut self.buf;
+        let recent = b.tokens.slice(..self.pos);
+        let mut logits = b.logits.slice_mut(..self.cfg.vocab);
+        self.dev
+            .sample(&mut b.next, &mut logits, &recent, self.pos, p, step)?;
+        Ok(self.dev.download(&b.next)?[0])
+    }
+
+    /// One forward step over at most `MAX_BATCH` tokens; leaves the logits of the last token
+    /// (or of all, with `all_logits`) at the start of `buf.logits` and returns how many rows.
+    fn forward_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<usize> {
+        let c = &self.cfg;
+        let (n, hidden, kv_dim, pos) = (tokens.len(), c.hidden, c.kv_dim(), self.pos);
+        if pos + n > self.max_ctx {
+            return Err(Error::Invalid(format!(
+                "{n} tokens do not fit the context: {pos} + {n} > {}",
+                self.max_ctx
+            )));
+        }
+        if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary ({})",
+                c.vocab
+            )));
+        }
+        let (dev, b) = (&self.dev, &mut self.buf);
+        dev.copy_to(&mut b.tokens.slice_mut(pos..pos + n), tokens)?;
+        dev.copy_to(&mut b.pos, &[pos as u32])?;
+
+        // Token embedding.
+        let ids = b.tokens.slice(pos..pos + n);
+        dev.embed(
+            &mut view_mut(&mut b.x, n * hidden),
+            &self.token_embd,
+            self.token_embd_ty,
+            &ids,
+            n,
+            hidden,
+        )?;
+
+        for w in &mut self.layers {
+            // Attention block.
+            dev.rms_norm(
+                &mut view_mut(&mut b.xb, n * hidden),
+                &view(&b.x, n * hidden),
+                &w.attn_norm,
+                c.rms_eps,
+            )?;
+            let xb = view(&b.xb, n * hidden);
+            dev.matmul_f16(
+                &mut view_mut(&mut b.q, n * hidden),
+                &xb,
+                &w.wq,
+                Some(&w.bq),
+                n,
+                hidden,
+                hidden,
+            )?;
+            dev.matmul_f16(
+                &mut view_mut(&mut b.k, n * kv_dim),
+                &xb,
+                &w.wk,
+                Some(&w.bk),
+                n,
+                hidden,
+                kv_dim,
+            )?;
+            dev.matmul_f16(
+                &mut view_mut(&mut b.v, n * kv_dim),
+                &xb,
+                &w.wv,
+                Some(&w.bv),
+                n,
+                hidden,
+                kv_dim,
+            )?;
+            dev.rope_neox(
+                &mut view_mut(&mut b.q, n * hidden),
+                &b.pos,
+                &self.rope,
+                c.n_heads,
+                c.head_dim,
+            )?;
+            dev.rope_neox(
+                &mut view_mut(&mut b.k, n * kv_dim),
+                &b.pos,
+                &self.rope,
+                c.n_kv_heads,
+                c.head_dim,
+            )?;
+            dev.kv_append(
+                &mut w.k_cache,
+                &mut w.v_cache,
+                &view(&b.k, n * kv_dim),
+                &view(&b.v, n * kv_dim),
+                &b.pos,
+                kv_dim,
+            )?;
+            dev.attention(
+                &mut view_mut(&mut b.att, n * hidden),
+                &view(&b.q, n * hidden),
+                &w.k_cache,
+                &w.v_cache,
+                &b.pos,
+                n,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+            )?;
+            dev.matmul_f16(
+                &mut view_mut(&mut b.xb, n * hidden),
+                &view(&b.att, n * hidden),
+                &w.wo,
+                None,
+                n,
+                hidden,
+                hidden,
+            )?;
+            dev.add(
+                &mut view_mut(&mut b.x, n * hidden),
+                &view(&b.xb, n * hidden),
+            )?;
+
+            // Feed-forward block (SwiGLU).
+            dev.rms_norm(
+                &mut view_mut(&mut b.xb, n * hidden),
+                &view(&b.x, n * hidden),
+                &w.ffn_norm,
+                c.rms_eps,
+            )?;
+            let xb = view(&b.xb, n * hidden);
+            dev.matmul_f16(
+                &mut view_mut(&mut b.gate, n * c.ffn),
+                &xb,
+                &w.w_gate,
+                None,
+                n,
+                hidden,
+                c.ffn,
+            )?;
+            dev.matmul_f16(
+                &mut view_mut(&mut b.up, n * c.ffn),
+                &xb,
+                &w.w_up,
+                None,
+                n,
+                hidden,
+                c.ffn,
+            )?;
+            dev.silu_mul(
+                &mut view_mut(&mut b.gate, n * c.ffn),
+                &view(&b.up, n * c.ffn),
+            )?;
+            dev.matmul_f16(
+                &mut view_mut(&mut b.xb, n * hidden),
+                &view(&b.gate, n * c.ffn),
+                &w.w_down,
+                None,
+                n,
+                c.ffn,
+                hidden,
+            )?;
+            dev.add(
+                &mut view_mut(&mut b.x, n * hidden),
+                &view(&b.xb, n * hidden),
+            )?;
+        }
+
+        // Final norm and output projection, for the rows asked for.
+        let first = if all_logits { 0 } else { n - 1 };
+        let out_rows = n - first;
+        dev.rms_norm(
+            &mut b.xb.slice_mut(..out_rows * hidden),
+            &b.x.slice(first * hidden..n * hidden),
+            &self.output_norm,
+            c.rms_eps,
+        )?;
+        dev.matmul_f16(
+            &mut b.logits.slice_mut(..out_rows * c.vocab),
+            &view(&b.xb, out_rows * hidden),
+            &self.output,
+            None,
+            out_rows,
+            hidden,
+            c.vocab,
+        )?;
+        self.pos += n;
+        Ok(out_rows)
+    }
+}
+
+/// The first `len` elements of a buffer.
+fn view<T>(buf: &CudaSlice<T>, len: usize) -> CudaView<'_, T> {
+    buf.slice(..len)
+}
+
+fn view_mut<T>(buf: &mut CudaSlice<T>, len: usize) -> CudaViewMut<'_, T> {
+    buf.slice_mut(..len)
+}
+
+/// Bytes the model will take on the GPU, checked against what is free before anything is
+/// allocated.
+fn check_memory(dev: &Device, c: &Config, g: &Gguf, max_ctx: usize) -> Result<()> {
+    let weights: u64 = g
+        .tensors()
+        .iter()
+        .map(|t| match (t.name.as_str(), t.ty) {
+            ("token_embd.weight", _) => t.bytes,
+            (_, GgmlType::F32) => t.bytes,
+            _ => t.n_elems() * 2,
+        })
+        .sum::<u64>()
+        + if c.tied_output {
+            (c.vocab * c.hidden * 2) as u64
+        } else {
+            0
+        };
+    let cache = (2 * c.n_layers * max_ctx * c.kv_dim() * 4) as u64;
+    let acts = (MAX_BATCH * (5 * c.hidden + 2 * c.kv_dim() + 2 * c.ffn + c.vocab) * 4
+        + max_ctx * 4
+        + max_ctx * c.head_dim * 4) as u64;
+    let needed = weights + cache + acts;
+    let (free, _total) = dev.memory()?;
+    if needed > free as u64 {
+        return Err(Error::Cuda(format!(
+            "not enough GPU memory: the model needs {:.2} GiB ({:.2} GiB weights, {:.2} GiB KV cache for {max_ctx} positions) but {:.2} GiB are free; try a smaller --ctx",
+            gib(needed),
+            gib(weights),
+            gib(cache),
+            gib(free as u64)
+        )));
+    }
+    Ok(())
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}

@@ -1,0 +1,544 @@
+//! rope_neox, kv_append and attention (decode and prefill) against their CPU twins, plus CPU
+//! runs of the kernels' algorithms (table rotation, tiled online softmax) against the twins.
+use orcd::cpu;
+use orcd::gguf::Gguf;
+use orcd::quant::dequantize_to_vec;
+use orcd_tests::{Rng, gpu, model_path, ref_prompts};
+
+/// The model's attention shape: 14 query heads, 2 kv heads, head dim 64, rope theta 1e6.
+const N_HEADS: usize = 14;
+const N_KV: usize = 2;
+const HEAD_DIM: usize = 64;
+const THETA: f32 = 1e6;
+
+/// Attention's tolerance: max |gpu - cpu| <= TOL * (1 + |cpu|). The two differ in the order
+/// of the 64-term dot products (~1e-5 absolute on scores of spread ~4: ~2e-6 relative on the
+/// weights), in ex2.approx (2^-22 relative, plus the rounding of x*log2(e), ~|x|*6e-8 for
+/// |x| <= ~40) and in the order of the softmax sums over up to 4097 keys (~sqrt(n)*6e-8).
+/// The output is a convex combination of v (|v| <= 2), so each is well below 2e-5; the
+/// kernels' algorithms run on the CPU (`online_softmax_algorithms_match_cpu`) measure
+/// 1e-6..6e-6, also on the real model's layer 0 with scores up to ~1500.
+const TOL: f32 = 2e-5;
+
+/// Uniform in [-scale, scale): scale 3.5 has the standard deviation of N(0,1)*2.
+fn rand(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    rng.vec(n).into_iter().map(|v| v * scale).collect()
+}
+
+/// max |got - want| / (1 + |want|).
+fn max_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+        .fold(0.0, |a: f32, e| {
+            if a.is_nan() || e.is_nan() {
+                f32::NAN
+            } else {
+                a.max(e)
+            }
+        })
+}
+
+#[test]
+fn rope_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(11);
+    for head_dim in [HEAD_DIM, 128] {
+        let table = dev.rope_table(4096, head_dim, THETA).unwrap();
+        for n_heads in [N_HEADS, N_KV] {
+            for rows in [1, 37] {
+                for pos in [0, 5, 4000] {
+                    let row_len = n_heads * head_dim;
+                    let x = rand(&mut rng, rows * row_len, 3.5);
+                    let mut want = x.clone();
+                    cpu::rope_neox(&mut want, row_len, pos, head_dim, THETA);
+                    let mut xd = dev.upload(&x).unwrap();
+                    let posd = dev.upload(&[pos as u32]).unwrap();
+                    dev.rope_neox(&mut xd, &posd, &table, n_heads, head_dim)
+                        .unwrap();
+                    let got = dev.download(&xd).unwrap();
+                    // Same table values, same f32 products and difference (mul.rn/sub.rn: no
+                    // FMA contraction), so exactly equal is expected; 1e-6 would still admit
+                    // an FMA's different rounding.
+                    let err = max_err(&got, &want);
+                    let exact = got
+                        .iter()
+                        .zip(&want)
+                        .all(|(g, w)| g.to_bits() == w.to_bits());
+                    println!(
+                        "rope hd={head_dim} heads={n_heads} rows={rows} pos={pos}: \
+                         err {err:.2e} bit-exact {exact}"
+                    );
+                    assert!(
+                        err <= 1e-6,
+                        "rope hd={head_dim} heads={n_heads} rows={rows} pos={pos}: {err}"
+                    );
+                }
+            }
+        }
+    }
+    // Odd head_dim and rows past the table's end are errors, not launches.
+    assert!(dev.rope_table(16, 63, THETA).is_err());
+    let table = dev.rope_table(4, HEAD_DIM, THETA).unwrap();
+    let mut x = dev.zeros::<f32>(5 * HEAD_DIM).unwrap();
+    let posd = dev.upload(&[0u32]).unwrap();
+    assert!(dev.rope_neox(&mut x, &posd, &table, 1, HEAD_DIM).is_err());
+}
+
+/// The GPU's rotation, done on the CPU: read (cos, sin) from the table; must equal
+/// `cpu::rope_neox` bit for bit, which is what makes the GPU exact.
+#[test]
+fn rope_table_rotation_is_rope_neox() {
+    let mut rng = Rng::new(12);
+    let (max_pos, head_dim, half) = (4100, HEAD_DIM, HEAD_DIM / 2);
+    let table = cpu::rope_table(max_pos, head_dim, THETA);
+    assert_eq!(table.len(), max_pos * head_dim);
+    for pos in [0, 1, 5, 4000, 4099] {
+        let x = rand(&mut rng, N_KV * head_dim, 3.5);
+        let mut want = x.clone();
+        cpu::rope_neox(&mut want, x.len(), pos, head_dim, THETA);
+        let mut got = x;
+        for head in got.chunks_exact_mut(head_dim) {
+            for i in 0..half {
+                let (cos, sin) = (table[2 * (pos * half + i)], table[2 * (pos * half + i) + 1]);
+                let (a, b) = (head[i], head[i + half]);
+                (head[i], head[i + half]) = (a * cos - b * sin, a * sin + b * cos);
+            }
+        }
+        assert!(
+            got.iter()
+                .zip(&want)
+                .all(|(g, w)| g.to_bits() == w.to_bits()),
+            "pos {pos}"
+        );
+    }
+    // Position 0 is the identity rotation.
+    assert!(table[..head_dim].chunks(2).all(|cs| cs == [1.0, 0.0]));
+}
+
+#[test]
+fn kv_append_is_exact() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(13);
+    let (max_pos, kv_dim) = (64, N_KV * HEAD_DIM);
+    let mut kc = rng.vec(max_pos * kv_dim);
+    let mut vc = rng.vec(max_pos * kv_dim);
+    let (mut kd, mut vd) = (dev.upload(&kc).unwrap(), dev.upload(&vc).unwrap());
+    // A prefill of 37 rows at 0, one of 5 at 37, decodes at 42 and at the last row.
+    for (pos, rows) in [(0, 37), (37, 5), (42, 1), (63, 1)] {
+        let (k, v) = (rng.vec(rows * kv_dim), rng.vec(rows * kv_dim));
+        kc[pos * kv_dim..][..k.len()].copy_from_slice(&k);
+        vc[pos * kv_dim..][..v.len()].copy_from_slice(&v);
+        let posd = dev.upload(&[pos as u32]).unwrap();
+        let (kn, vn) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+        dev.kv_append(&mut kd, &mut vd, &kn, &vn, &posd, kv_dim)
+            .unwrap();
+        assert_eq!(
+            dev.download(&kd).unwrap(),
+            kc,
+            "k cache after pos {pos} rows {rows}"
+        );
+        assert_eq!(
+            dev.download(&vd).unwrap(),
+            vc,
+            "v cache after pos {pos} rows {rows}"
+        );
+    }
+    // More rows than the cache holds is an error, not a launch.
+    let big = dev.zeros::<f32>((max_pos + 1) * kv_dim).unwrap();
+    let posd = dev.upload(&[0u32]).unwrap();
+    assert!(
+        dev.kv_append(&mut kd, &mut vd, &big, &big, &posd, kv_dim)
+            .is_err()
+    );
+}
+
+/// One attention call as the forward pass makes it: the cache holds `pos` earlier rows of
+/// `k, v = [pos + rows, kv_dim]`, this call's rows are appended with `kv_append`, then
+/// `attention`. Rows past `pos + rows` are NaN, so reading one shows up in the output.
+#[allow(clippy::too_many_arguments)]
+fn gpu_attention(
+    dev: &orcd::cuda::Device,
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    pos: usize,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+) -> Vec<f32> {
+    let kv_dim = n_kv * head_dim;
+    let rows = q.len() / (n_heads * head_dim);
+    let max_pos = pos + rows + 3;
+    let prefix = |c: &[f32]| {
+        let mut cache = vec![f32::NAN; max_pos * kv_dim];
+        cache[..pos * kv_dim].copy_from_slice(&c[..pos * kv_dim]);
+        dev.upload(&cache).unwrap()
+    };
+    let (mut kc, mut vc) = (prefix(k), prefix(v));
+    let posd = dev.upload(&[pos as u32]).unwrap();
+    let (kn, vn) = (
+        dev.upload(&k[pos * kv_dim..]).unwrap(),
+        dev.upload(&v[pos * kv_dim..]).unwrap(),
+    );
+    dev.kv_append(&mut kc, &mut vc, &kn, &vn, &posd, kv_dim)
+        .unwrap();
+    let mut out = dev.zeros::<f32>(q.len()).unwrap();
+    let qd = dev.upload(q).unwrap();
+    dev.attention(
+        &mut out, &qd, &kc, &vc, &posd, rows, n_heads, n_kv, head_dim,
+    )
+    .unwrap();
+    dev.download(&out).unwrap()
+}
+
+/// Random q, k, v for `rows` queries at `pos` and the CPU twin's output.
+fn case(rng: &mut Rng, pos: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>, Vec<f32>) {
+    let kv_dim = N_KV * HEAD_DIM;
+    let q = rand(rng, rows * N_HEADS * HEAD_DIM, 3.5);
+    let k = rand(rng, (pos + rows) * kv_dim, 3.5);
+    let v = rand(rng, (pos + rows) * kv_dim, 2.0);
+    let mut want = vec![0.0; q.len()];
+    cpu::attention(&mut want, &q, &k, &v, pos, N_HEADS, N_KV, HEAD_DIM);
+    (q, k, v, want)
+}
+
+#[test]
+fn attention_decode_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(14);
+    for n_keys in [1, 2, 33, 257, 1000, 4097] {
+        let (q, k, v, want) = case(&mut rng, n_keys - 1, 1);
+        let got = gpu_attention(&dev, &q, &k, &v, n_keys - 1, N_HEADS, N_KV, HEAD_DIM);
+        let err = max_err(&got, &want);
+        println!("attention decode keys={n_keys}: max err {err:.2e}");
+        assert!(err <= TOL, "attention decode keys={n_keys}: {err}");
+    }
+}
+
+#[test]
+fn attention_prefill_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(15);
+    for pos in [0, 37] {
+        for rows in [1, 7, 64, 100, 500] {
+            let (q, k, v, want) = case(&mut rng, pos, rows);
+            let got = gpu_attention(&dev, &q, &k, &v, pos, N_HEADS, N_KV, HEAD_DIM);
+            let err = max_err(&got, &want);
+            println!("attention prefill pos={pos} rows={rows}: max err {err:.2e}");
+            assert!(err <= TOL, "attention prefill pos={pos} rows={rows}: {err}");
+        }
+    }
+}
+
+/// Other shapes: head_dim 128 and 40 (not a multiple of 32), MHA (n_kv = n_heads), one head.
+#[test]
+fn attention_other_shapes_match_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(16);
+    for (n_heads, n_kv, head_dim) in [(4, 2, 128), (6, 3, 40), (3, 3, 64), (1, 1, 32)] {
+        for (pos, rows) in [(0, 1), (70, 1), (0, 45), (19, 33)] {
+            let kv_dim = n_kv * head_dim;
+            let q = rand(&mut rng, rows * n_heads * head_dim, 3.5);
+            let k = rand(&mut rng, (pos + rows) * kv_dim, 3.5);
+            let v = rand(&mut rng, (pos + rows) * kv_dim, 2.0);
+            let mut want = vec![0.0; q.len()];
+            cpu::attention(&mut want, &q, &k, &v, pos, n_heads, n_kv, head_dim);
+            let got = gpu_attention(&dev, &q, &k, &v, pos, n_heads, n_kv, head_dim);
+            let err = max_err(&got, &want);
+            println!(
+                "attention {n_heads}/{n_kv} heads hd={head_dim} pos={pos} rows={rows}: {err:.2e}"
+            );
+            assert!(
+                err <= TOL,
+                "attention {n_heads}/{n_kv}/{head_dim} pos={pos} rows={rows}: {err}"
+            );
+        }
+    }
+    // head_dim > 128 is refused with an error.
+    let z = dev.zeros::<f32>(256).unwrap();
+    let posd = dev.upload(&[0u32]).unwrap();
+    let mut out = dev.zeros::<f32>(256).unwrap();
+    assert!(
+        dev.attention(&mut out, &z, &z, &z, &posd, 1, 1, 1, 256)
+            .is_err()
+    );
+}
+
+/// Layer 0's q, k, v (before RoPE) of the real model for the first chat prompt's tokens:
+/// Qwen2's large q/k biases give real score spreads.
+struct Layer0 {
+    cfg: orcd::config::Config,
+    n: usize,
+    q: Vec<f32>,
+    k: Vec<f32>,
+    v: Vec<f32>,
+}
+
+fn layer0() -> Layer0 {
+    let g = Gguf::open(&model_path()).unwrap();
+    let cfg = orcd::config::Config::from_gguf(&g).unwrap();
+    let (hidden, kv_dim) = (cfg.hidden, cfg.kv_dim());
+    let load = |name: &str| {
+        let t = g.tensor(name).unwrap();
+        dequantize_to_vec(t.ty, g.tensor_data(t)).unwrap()
+    };
+    let prompt = ref_prompts()
+        .into_iter()
+        .find(|p| p.kind == "chat")
+        .unwrap();
+    let n = prompt.ids.len();
+    let embd = g.tensor("token_embd.weight").unwrap();
+    let row_bytes = embd.ty.row_bytes(hidden).unwrap();
+    let x: Vec<f32> = prompt
+        .ids
+        .iter()
+        .flat_map(|&id| {
+            let row = &g.tensor_data(embd)[id as usize * row_bytes..][..row_bytes];
+            dequantize_to_vec(embd.ty, row).unwrap()
+        })
+        .collect();
+    let mut xn = vec![0.0; x.len()];
+    cpu::rms_norm(&mut xn, &x, &load("blk.0.attn_norm.weight"), cfg.rms_eps);
+    let project = |w: &str, n_out: usize| {
+        let mut y = vec![0.0; n * n_out];
+        let bias = load(&format!("blk.0.{w}.bias"));
+        cpu::matmul(
+            &mut y,
+            &xn,
+            &load(&format!("blk.0.{w}.weight")),
+            hidden,
+            Some(&bias),
+        );
+        y
+    };
+    Layer0 {
+        q: project("attn_q", hidden),
+        k: project("attn_k", kv_dim),
+        v: project("attn_v", kv_dim),
+        n,
+        cfg,
+    }
+}
+
+impl Layer0 {
+    /// q and k after cpu::rope_neox, and cpu::attention's output.
+    fn cpu(&self) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let c = &self.cfg;
+        let (mut q, mut k) = (self.q.clone(), self.k.clone());
+        cpu::rope_neox(&mut q, c.hidden, 0, c.head_dim, c.rope_theta);
+        cpu::rope_neox(&mut k, c.kv_dim(), 0, c.head_dim, c.rope_theta);
+        let mut out = vec![0.0; q.len()];
+        cpu::attention(
+            &mut out,
+            &q,
+            &k,
+            &self.v,
+            0,
+            c.n_heads,
+            c.n_kv_heads,
+            c.head_dim,
+        );
+        (q, k, out)
+    }
+}
+
+/// Layer 0 on the GPU as the forward pass runs it: RoPE, kv_append and attention, as a
+/// prefill of all tokens but the last and then a decode of the last, against the CPU twins.
+#[test]
+fn attention_layer0_real_model_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let l0 = layer0();
+    let (c, n) = (&l0.cfg, l0.n);
+    let (hidden, kv_dim, hd) = (c.hidden, c.kv_dim(), c.head_dim);
+    let (qr, kr, want) = l0.cpu();
+
+    let max_pos = 256;
+    let table = dev.rope_table(max_pos, hd, c.rope_theta).unwrap();
+    let mut kc = dev.zeros::<f32>(max_pos * kv_dim).unwrap();
+    let mut vc = dev.zeros::<f32>(max_pos * kv_dim).unwrap();
+    let (mut got, mut got_q, mut got_k) = (Vec::new(), Vec::new(), Vec::new());
+    for (start, end) in [(0, n - 1), (n - 1, n)] {
+        let rows = end - start;
+        let posd = dev.upload(&[start as u32]).unwrap();
+        let mut qd = dev.upload(&l0.q[start * hidden..end * hidden]).unwrap();
+        let mut kd = dev.upload(&l0.k[start * kv_dim..end * kv_dim]).unwrap();
+        let vd = dev.upload(&l0.v[start * kv_dim..end * kv_dim]).unwrap();
+        dev.rope_neox(&mut qd, &posd, &table, c.n_heads, hd)
+            .unwrap();
+        dev.rope_neox(&mut kd, &posd, &table, c.n_kv_heads, hd)
+            .unwrap();
+        dev.kv_append(&mut kc, &mut vc, &kd, &vd, &posd, kv_dim)
+            .unwrap();
+        let mut out = dev.zeros::<f32>(rows * hidden).unwrap();
+        dev.attention(
+            &mut out,
+            &qd,
+            &kc,
+            &vc,
+            &posd,
+            rows,
+            c.n_heads,
+            c.n_kv_heads,
+            hd,
+        )
+        .unwrap();
+        got.extend(dev.download(&out).unwrap());
+        got_q.extend(dev.download(&qd).unwrap());
+        got_k.extend(dev.download(&kd).unwrap());
+    }
+    let (err_q, err_k) = (max_err(&got_q, &qr), max_err(&got_k, &kr));
+    let err = max_err(&got, &want);
+    println!("layer 0, {n} tokens: rope err q {err_q:.2e} k {err_k:.2e}, attention err {err:.2e}");
+    assert!(
+        err_q <= 1e-6 && err_k <= 1e-6,
+        "layer 0 rope: q {err_q} k {err_k}"
+    );
+    assert!(err <= TOL, "layer 0 attention: {err}");
+}
+
+/// The prefill kernel's algorithm on the CPU, with its tile and row arithmetic: 16 rows per
+/// block, keys in tiles of 32 skipped past each row's position, online softmax per tile.
+/// The decode kernel's algorithm likewise: 16 warps on strided keys, combined at the end.
+/// Both against cpu::attention, which checks the algorithm and the tolerance apart from
+/// ex2.approx (here the CPU's exp) and the warp sums' order.
+#[test]
+fn online_softmax_algorithms_match_cpu() {
+    let mut rng = Rng::new(17);
+    for (pos, rows) in [(0, 100), (37, 45), (4096, 1), (40, 1)] {
+        let (q, k, v, want) = case(&mut rng, pos, rows);
+        let got = if rows == 1 {
+            simulate_decode(&q, &k, &v, pos)
+        } else {
+            simulate_prefill(&q, &k, &v, pos, rows)
+        };
+        let err = max_err(&got, &want);
+        println!("simulated pos={pos} rows={rows}: max err {err:.2e}");
+        assert!(err <= TOL, "simulated pos={pos} rows={rows}: {err}");
+    }
+    // Layer 0 of the real model (needs the model file, not a GPU): its scores reach ~1500
+    // (attention sinks) where the random cases stay below ~20.
+    let l0 = layer0();
+    let (q, k, want) = l0.cpu();
+    let hd = l0.cfg.head_dim;
+    let max_score = (0..l0.n * N_HEADS)
+        .map(|i| {
+            let (t, h) = (i / N_HEADS, i % N_HEADS);
+            let kv_off = h / (N_HEADS / N_KV) * hd;
+            (0..=t)
+                .map(|j| {
+                    let d = cpu::dot(
+                        &q[t * N_HEADS * hd + h * hd..][..hd],
+                        &k[j * N_KV * hd + kv_off..][..hd],
+                    );
+                    d.abs() / (hd as f32).sqrt()
+                })
+                .fold(0.0f32, f32::max)
+        })
+        .fold(0.0f32, f32::max);
+    for (got, what) in [
+        (simulate_prefill(&q, &k, &l0.v, 0, l0.n), "prefill"),
+        (
+            simulate_decode(&q[(l0.n - 1) * N_HEADS * hd..], &k, &l0.v, l0.n - 1),
+            "decode",
+        ),
+    ] {
+        let want = if what == "decode" {
+            &want[(l0.n - 1) * N_HEADS * hd..]
+        } else {
+            &want[..]
+        };
+        let err = max_err(&got, want);
+        println!("simulated layer 0 {what}: max |score| {max_score:.1}, max err {err:.2e}");
+        assert!(err <= TOL, "simulated layer 0 {what}: {err}");
+    }
+}
+
+const WARPS: usize = 16;
+const TILE: usize = 32;
+
+fn simulate_prefill(q: &[f32], k: &[f32], v: &[f32], pos: usize, rows: usize) -> Vec<f32> {
+    let (hd, q_dim, kv_dim) = (HEAD_DIM, N_HEADS * HEAD_DIM, N_KV * HEAD_DIM);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0.0; q.len()];
+    for block in 0..rows.div_ceil(WARPS) {
+        for h in 0..N_HEADS {
+            let kv_off = h / (N_HEADS / N_KV) * hd;
+            let n_keys = pos + rows.min(block * WARPS + WARPS);
+            for row in block * WARPS..rows.min(block * WARPS + WARPS) {
+                let qr = &q[row * q_dim + h * hd..][..hd];
+                let last = pos + row;
+                let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, vec![0.0f32; hd]);
+                for k0 in (0..n_keys).step_by(TILE).filter(|&k0| k0 <= last) {
+                    let s: Vec<f32> = (k0..k0 + TILE)
+                        .map(|j| {
+                            if j > last {
+                                return f32::NEG_INFINITY;
+                            }
+                            let kr = &k[j * kv_dim + kv_off..][..hd];
+                            qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale
+                        })
+                        .collect();
+                    let m_new = s.iter().copied().fold(m, f32::max);
+                    let c = (m - m_new).exp();
+                    let p: Vec<f32> = s.iter().map(|s| (s - m_new).exp()).collect();
+                    l = l * c + p.iter().sum::<f32>();
+                    m = m_new;
+                    acc.iter_mut().for_each(|a| *a *= c);
+                    for (i, p) in p.iter().enumerate().take(TILE.min(last - k0 + 1)) {
+                        let vr = &v[(k0 + i) * kv_dim + kv_off..][..hd];
+                        acc.iter_mut().zip(vr).for_each(|(a, v)| *a += p * v);
+                    }
+                }
+                let o = &mut out[row * q_dim + h * hd..][..hd];
+                o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a / l);
+            }
+        }
+    }
+    out
+}
+
+fn simulate_decode(q: &[f32], k: &[f32], v: &[f32], pos: usize) -> Vec<f32> {
+    let (hd, kv_dim) = (HEAD_DIM, N_KV * HEAD_DIM);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut out = vec![0.0; q.len()];
+    for h in 0..N_HEADS {
+        let qr = &q[h * hd..][..hd];
+        let kv_off = h / (N_HEADS / N_KV) * hd;
+        // Per warp: (m, l, acc).
+        let parts: Vec<(f32, f32, Vec<f32>)> = (0..WARPS)
+            .map(|w| {
+                let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, vec![0.0f32; hd]);
+                for j in (w..=pos).step_by(WARPS) {
+                    let kr = &k[j * kv_dim + kv_off..][..hd];
+                    let vr = &v[j * kv_dim + kv_off..][..hd];
+                    let s = qr.iter().zip(kr).map(|(a, b)| a * b).sum::<f32>() * scale;
+                    let (c, p) = if s > m {
+                        let c = (m - s).exp();
+                        m = s;
+                        (c, 1.0)
+                    } else {
+                        (1.0, (s - m).exp())
+                    };
+                    l = l * c + p;
+                    acc.iter_mut()
+                        .zip(vr)
+                        .for_each(|(a, v)| *a = *a * c + p * v);
+                }
+                (m, l, acc)
+            })
+            .collect();
+        let max = parts.iter().map(|p| p.0).fold(f32::NEG_INFINITY, f32::max);
+        for d in 0..hd {
+            let (mut sum, mut o) = (0.0f32, 0.0f32);
+            for (m, l, acc) in &parts {
+                let f = (m - max).exp();
+                sum += l * f;
+                o += acc[d] * f;
+            }
+            out[h * hd + d] = o / sum;
+        }
+    }
+    out
+}
