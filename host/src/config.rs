@@ -57,6 +57,13 @@ impl Config {
             }
         };
         let n_layers = count("block_count")?;
+        // Every layer has 12 tensors: a count beyond the file's would only exhaust memory later.
+        if n_layers > g.tensors().len() / 12 {
+            return Err(model_error(format!(
+                "metadata key '{ARCH}.block_count' is {n_layers} but the file has only {} tensors (12 per layer)",
+                g.tensors().len()
+            )));
+        }
         let hidden = count("embedding_length")?;
         let n_heads = count("attention.head_count")?;
         let n_kv_heads = count("attention.head_count_kv")?;

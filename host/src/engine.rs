@@ -24,7 +24,7 @@ use std::time::Instant;
 use crate::chat::Message;
 use crate::cpu::model::CpuModel;
 use crate::cuda::Device;
-use crate::cuda::model::CudaModel;
+use crate::cuda::model::{CudaModel, WeightFormat};
 use crate::gguf::Gguf;
 use crate::sampling::{SamplingParams, sample};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
@@ -48,6 +48,8 @@ pub struct LoadOptions {
     pub device: DeviceChoice,
     /// Context length (KV cache positions); default: the smaller of the model's and 8192.
     pub ctx: Option<usize>,
+    /// How the GPU keeps the weight matrices (the CPU always dequantizes to f32).
+    pub weights: WeightFormat,
 }
 
 /// What to generate from.
@@ -72,6 +74,8 @@ pub struct GenerateOptions {
     pub max_tokens: usize,
     /// Set it from another thread (e.g. a Ctrl-C handler) to stop before the next token.
     pub cancel: Option<Arc<AtomicBool>>,
+    /// Keep going past end-of-sequence tokens (benchmarks generate a fixed length).
+    pub ignore_eos: bool,
 }
 
 impl Default for GenerateOptions {
@@ -80,6 +84,7 @@ impl Default for GenerateOptions {
             sampling: SamplingParams::default(),
             max_tokens: 512,
             cancel: None,
+            ignore_eos: false,
         }
     }
 }
@@ -217,7 +222,7 @@ impl Engine {
         let (model, device, vocab) = match gpu {
             Some(dev) => {
                 let name = dev.name()?;
-                let m = CudaModel::load(dev, &g, ctx)?;
+                let m = CudaModel::load(dev, &g, ctx, opts.weights)?;
                 let vocab = m.cfg.vocab;
                 (Model::Cuda(m), name, vocab)
             }
@@ -236,6 +241,23 @@ impl Engine {
             load_s,
             notice,
         })
+    }
+
+    /// Bytes of weights one decoded token reads (every matrix, norm and bias once, and one row
+    /// of the embedding table), in the form the device keeps them.
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        match &self.model {
+            Model::Cpu(m) => m.weight_bytes_per_token(),
+            Model::Cuda(m) => m.weight_bytes_per_token(),
+        }
+    }
+
+    /// GPU memory this engine has allocated (weights, KV cache, buffers); `None` on the CPU.
+    pub fn gpu_memory_used(&self) -> Option<u64> {
+        match &self.model {
+            Model::Cpu(_) => None,
+            Model::Cuda(m) => m.gpu_memory_used().ok(),
+        }
     }
 
     /// Why `Auto` chose the CPU, if it did.
@@ -390,7 +412,7 @@ impl Generation<'_> {
             self.decode_s += took;
             self.decode_steps += 1;
         }
-        if self.eos.contains(&id) {
+        if !self.opts.ignore_eos && self.eos.contains(&id) {
             return self.finish(StopReason::Eos);
         }
         self.seq.push(id);

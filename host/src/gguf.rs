@@ -134,6 +134,19 @@ impl Gguf {
             path: path.to_path_buf(),
             source,
         };
+        // Checked before opening: opening a named pipe would wait for a writer.
+        let meta = std::fs::metadata(path).map_err(io)?;
+        if !meta.is_file() {
+            let what = if meta.is_dir() {
+                "a directory"
+            } else {
+                "a pipe, socket or device"
+            };
+            return Err(Error::Gguf {
+                path: path.to_path_buf(),
+                msg: format!("is {what}, not a GGUF file"),
+            });
+        }
         let file = File::open(path).map_err(io)?;
         // SAFETY: the map is read-only. Like every mmap-based loader, we rely on the file not
         // being truncated underneath us while it is open.
@@ -544,18 +557,18 @@ impl<'a> Reader<'a> {
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .ok_or_else(overflow)?;
         shape[0].checked_mul(rows).ok_or_else(overflow)?;
-        let row_bytes = usize::try_from(shape[0])
-            .ok()
-            .and_then(|n| ty.row_bytes(n))
-            .ok_or_else(|| {
-                let block = ty.block_elems();
-                self.error(format!(
-                    "tensor '{name}' row length {} is not a multiple of the {} block size {block}",
-                    shape[0],
-                    ty.name()
-                ))
-            })?;
-        let bytes = (row_bytes as u64).checked_mul(rows).ok_or_else(overflow)?;
+        let block = ty.block_elems() as u64;
+        if !shape[0].is_multiple_of(block) {
+            return Err(self.error(format!(
+                "tensor '{name}' row length {} is not a multiple of the {} block size {block}",
+                shape[0],
+                ty.name()
+            )));
+        }
+        let bytes = (shape[0] / block)
+            .checked_mul(ty.block_bytes() as u64)
+            .and_then(|row| row.checked_mul(rows))
+            .ok_or_else(overflow)?;
         Ok(TensorInfo {
             name,
             ty,

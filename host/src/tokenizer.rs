@@ -42,7 +42,10 @@ pub struct Tokenizer {
 
 impl Tokenizer {
     pub fn from_gguf(g: &Gguf) -> Result<Tokenizer> {
-        let bad = |msg: String| Error::Tokenizer(format!("{}: {msg}", g.path().display()));
+        let bad = |msg: String| Error::Model {
+            path: g.path().to_path_buf(),
+            msg,
+        };
         let model = g.get_str("tokenizer.ggml.model")?;
         if model != "gpt2" {
             return Err(bad(format!(
@@ -58,6 +61,15 @@ impl Tokenizer {
         }
         let tokens = g.get_str_array("tokenizer.ggml.tokens")?;
         let n = tokens.len();
+        // Every id the model can emit (a row of its embedding and output) needs a text.
+        if let Ok(embd) = g.tensor("token_embd.weight")
+            && let Some(&rows) = embd.shape.last()
+            && rows > n as u64
+        {
+            return Err(bad(format!(
+                "the tokenizer has {n} tokens, fewer than the model's vocabulary of {rows} (token_embd.weight)"
+            )));
+        }
         let types: Vec<u64> = match g.get("tokenizer.ggml.token_type") {
             None => vec![1; n],
             Some(v) => v
@@ -76,7 +88,7 @@ impl Tokenizer {
             .map(|m| {
                 m.split_once(' ')
                     .map(|(a, b)| (a.to_string(), b.to_string()))
-                    .ok_or_else(|| bad(format!("merge '{m}' is not two tokens")))
+                    .ok_or_else(|| bad(format!("tokenizer merge '{m}' is not two tokens")))
             })
             .collect::<Result<Vec<_>>>()?;
         let id = |key: &str| -> Result<Option<u32>> {
@@ -122,13 +134,13 @@ impl Tokenizer {
             .vocab_and_merges(vocab, merges)
             .byte_fallback(false)
             .build()
-            .map_err(|e| bad(format!("building BPE: {e}")))?;
+            .map_err(|e| bad(format!("building the tokenizer: {e}")))?;
         let split = Split::new(
             SplitPattern::Regex(QWEN2_SPLIT.into()),
             SplitDelimiterBehavior::Isolated,
             false,
         )
-        .map_err(|e| bad(format!("split regex: {e}")))?;
+        .map_err(|e| bad(format!("the tokenizer's split regex: {e}")))?;
         let mut inner = tokenizers::Tokenizer::new(bpe);
         inner
             .with_normalizer(Some(NFC))

@@ -1,5 +1,11 @@
 //! Shared helpers of orcd's end-to-end and GPU tests.
 use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use orcd::cpu::model::CpuModel;
+use orcd::gguf::Gguf;
+
+pub mod gguf_writer;
 
 /// The GPU for a GPU test, or `None` after printing `skipped: no CUDA device`.
 /// With `REQUIRE_GPU=1` a missing GPU fails the test instead.
@@ -112,4 +118,20 @@ pub fn ref_prompts() -> Vec<RefPrompt> {
                 .collect(),
         })
         .collect()
+}
+
+/// The default model's file, opened once per test process.
+pub fn gguf() -> &'static Gguf {
+    static G: OnceLock<Gguf> = OnceLock::new();
+    G.get_or_init(|| Gguf::open(&model_path()).expect("opening the default model"))
+}
+
+/// The CPU reference model (weights dequantized to f32, ~2.5 GB), loaded once per test
+/// process; tests take turns with it.
+pub fn cpu_model() -> MutexGuard<'static, CpuModel> {
+    static M: OnceLock<Mutex<CpuModel>> = OnceLock::new();
+    let m =
+        M.get_or_init(|| Mutex::new(CpuModel::load(gguf(), 4096).expect("loading the CPU model")));
+    // A failed test poisons the lock; the model itself is still usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }

@@ -1,22 +1,9 @@
 //! The CPU reference forward pass against Hugging Face transformers (fp32) on the real model.
-use std::sync::{Mutex, OnceLock};
-
-use orcd::cpu::model::CpuModel;
-use orcd::gguf::Gguf;
-use orcd_tests::{model_path, ref_prompts};
-
-/// One model for all tests of this file: loading dequantizes ~2 GB.
-fn model() -> &'static Mutex<CpuModel> {
-    static M: OnceLock<Mutex<CpuModel>> = OnceLock::new();
-    M.get_or_init(|| {
-        let g = Gguf::open(&model_path()).unwrap();
-        Mutex::new(CpuModel::load(&g, 4096).unwrap())
-    })
-}
+use orcd_tests::{cpu_model, ref_prompts};
 
 #[test]
 fn teacher_forced_logits_match_reference() {
-    let mut m = model().lock().unwrap();
+    let mut m = cpu_model();
     let vocab = m.cfg.vocab;
     let (mut agree, mut total) = (0, 0);
     for p in ref_prompts() {
@@ -60,7 +47,7 @@ fn teacher_forced_logits_match_reference() {
 
 #[test]
 fn greedy_generation_matches_reference() {
-    let mut m = model().lock().unwrap();
+    let mut m = cpu_model();
     for p in ref_prompts() {
         m.reset();
         // Greedy for up to 24 tokens. Where the reference's top-2 margin is < 0.05 (a near tie
@@ -82,5 +69,38 @@ fn greedy_generation_matches_reference() {
             logits = m.forward(&[p.generated[i]], false).unwrap();
         }
         println!("{:?}: {n} greedy tokens compared", p.text);
+    }
+}
+
+/// What `cargo xtask logits` prints: the top-5 ids after every token match the reference's,
+/// in order, except where two reference logits are within 0.05 of each other (either order).
+#[test]
+fn top5_logits_match_reference() {
+    let mut m = cpu_model();
+    let vocab = m.cfg.vocab;
+    for p in ref_prompts() {
+        m.reset();
+        let seq: Vec<u32> = p.ids.iter().chain(&p.generated).copied().collect();
+        let logits = m.forward(&seq, true).unwrap();
+        for i in 0..p.generated.len() {
+            let row = &logits[(p.ids.len() - 1 + i) * vocab..][..vocab];
+            let mut order: Vec<u32> = (0..vocab as u32).collect();
+            order.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
+            for (k, &got) in order.iter().take(5).enumerate() {
+                let want = p.top5_ids[i][k];
+                if want != got {
+                    // Accept a swap with a neighbour whose reference logit is within 0.05.
+                    let v = p.top5_vals[i][k];
+                    let near = |j: usize| j < 5 && (p.top5_vals[i][j] - v).abs() < 0.05;
+                    let swapped = (k > 0 && near(k - 1) && p.top5_ids[i][k - 1] == got)
+                        || (near(k + 1) && p.top5_ids[i][k + 1] == got);
+                    assert!(
+                        swapped,
+                        "{:?} pos {i} rank {k}: {got} vs reference {want}",
+                        p.text
+                    );
+                }
+            }
+        }
     }
 }

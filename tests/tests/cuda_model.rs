@@ -1,53 +1,37 @@
-//! The whole model on the GPU: teacher-forced against Hugging Face's reference, greedy against
-//! the CPU reference, and the haiku anti-cheat test. Skipped without a CUDA device.
+//! The whole model on the GPU, on both weight paths (the file's quantized blocks read natively,
+//! and f16 dequantized at load): teacher-forced against Hugging Face's reference, greedy
+//! against the CPU reference, and the haiku anti-cheat test. Skipped without a CUDA device.
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
-use orcd::cpu::model::CpuModel;
 use orcd::cuda::Device;
-use orcd::cuda::model::CudaModel;
-use orcd::gguf::Gguf;
+use orcd::cuda::model::{CudaModel, WeightFormat};
 use orcd::sampling::SamplingParams;
-use orcd_tests::{model_path, ref_prompts};
+use orcd_tests::{cpu_model, gguf, ref_prompts};
 
 /// Top-2 margin below which GPU and CPU may legitimately pick different tokens.
 const NEAR_TIE: f32 = 0.1;
 
-fn gguf() -> &'static Gguf {
-    static G: OnceLock<Gguf> = OnceLock::new();
-    G.get_or_init(|| Gguf::open(&model_path()).unwrap())
-}
-
-fn gpu_model() -> Option<MutexGuard<'static, CudaModel>> {
-    static M: OnceLock<Mutex<CudaModel>> = OnceLock::new();
-    if M.get().is_none() {
+/// The model on the GPU with `weights`, loaded once per format; `None` without a GPU.
+fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
+    static NATIVE: OnceLock<Mutex<CudaModel>> = OnceLock::new();
+    static F16: OnceLock<Mutex<CudaModel>> = OnceLock::new();
+    let cell = match weights {
+        WeightFormat::Native => &NATIVE,
+        WeightFormat::F16 => &F16,
+    };
+    if cell.get().is_none() {
         let dev = orcd_tests::gpu()?;
-        let _ = M.set(Mutex::new(CudaModel::load(dev, gguf(), 4096).unwrap()));
+        let _ = cell.set(Mutex::new(
+            CudaModel::load(dev, gguf(), 4096, weights).unwrap(),
+        ));
     }
-    Some(M.get().unwrap().lock().unwrap())
+    Some(cell.get().unwrap().lock().unwrap())
 }
 
-fn cpu_model() -> MutexGuard<'static, CpuModel> {
-    static M: OnceLock<Mutex<CpuModel>> = OnceLock::new();
-    M.get_or_init(|| Mutex::new(CpuModel::load(gguf(), 4096).unwrap()))
-        .lock()
-        .unwrap()
-}
-
-/// Top-1 minus top-2 of a row of logits.
-fn margin(row: &[f32]) -> f32 {
-    let top = orcd::cpu::argmax(row) as usize;
-    let second = row
-        .iter()
-        .enumerate()
-        .filter(|&(i, _)| i != top)
-        .map(|(_, v)| *v)
-        .fold(f32::NEG_INFINITY, f32::max);
-    row[top] - second
-}
-
-#[test]
-fn teacher_forced_logits_match_reference() {
-    let Some(mut m) = gpu_model() else { return };
+/// Teacher-forced: feed prompt + reference generation, compare the top-1 at every generated
+/// position. Returns (agreeing positions, positions).
+fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
+    let mut m = gpu_model(weights)?;
     let vocab = m.cfg.vocab;
     let (mut agree, mut total, mut worst) = (0, 0, 0.0f32);
     for p in ref_prompts() {
@@ -68,7 +52,7 @@ fn teacher_forced_logits_match_reference() {
                 );
                 assert!(
                     p.margin(i) < NEAR_TIE,
-                    "{:?} pos {i}: top-1 {top1} != {want}, margin {}",
+                    "{weights:?}: {:?} pos {i}: top-1 {top1} != {want}, margin {}",
                     p.text,
                     p.margin(i)
                 );
@@ -77,29 +61,46 @@ fn teacher_forced_logits_match_reference() {
         }
     }
     println!(
-        "GPU top-1 agreement {agree}/{total}; max |logit - reference| of the reference top-1: {worst:.4}"
+        "{weights:?}: top-1 agreement {agree}/{total}; max |logit - reference| of the reference top-1: {worst:.4}"
     );
+    Some((agree, total))
+}
+
+#[test]
+fn teacher_forced_native_matches_reference() {
+    let Some((agree, total)) = teacher_forced(WeightFormat::Native) else {
+        return;
+    };
     assert!(
         agree * 100 >= total * 99,
         "top-1 agreement {agree}/{total} < 99%"
     );
 }
 
-/// Greedy tokens of the CPU reference, with its top-2 margin at each step.
-fn cpu_greedy(prompt: &[u32], n: usize) -> Vec<(u32, f32)> {
-    let mut m = cpu_model();
-    m.reset();
-    let mut logits = m.forward(prompt, false).unwrap();
-    let mut out = Vec::new();
-    while out.len() < n {
-        let t = orcd::cpu::argmax(&logits);
-        out.push((t, margin(&logits)));
-        logits = m.forward(&[t], false).unwrap();
-    }
-    out
+/// f16 rounds each weight by up to 2^-11 of its value, which moves the logits by up to ~0.005:
+/// a reference near tie closer than that (the public set has one, margin 0.0006) is a coin
+/// flip, so this path is held to every position with margin >= 0.1 and 98% overall.
+#[test]
+fn teacher_forced_f16_matches_reference() {
+    let Some((agree, total)) = teacher_forced(WeightFormat::F16) else {
+        return;
+    };
+    assert!(
+        agree * 100 >= total * 98,
+        "top-1 agreement {agree}/{total} < 98%"
+    );
 }
 
-/// Greedy tokens of the GPU, sampled on the GPU.
+/// Top-1 and top-2 ids of a row of logits, and their margin.
+fn top2(row: &[f32]) -> (u32, u32, f32) {
+    let top = orcd::cpu::argmax(row);
+    let mut rest = row.to_vec();
+    rest[top as usize] = f32::NEG_INFINITY;
+    let second = orcd::cpu::argmax(&rest);
+    (top, second, row[top as usize] - row[second as usize])
+}
+
+/// Greedy tokens of the GPU (sampled on the GPU) until `n` tokens or an end token.
 fn gpu_greedy(m: &mut CudaModel, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
     m.reset();
     let greedy = SamplingParams::greedy();
@@ -113,31 +114,70 @@ fn gpu_greedy(m: &mut CudaModel, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u
     out
 }
 
-/// Asserts that GPU tokens equal CPU tokens up to the first CPU near tie; returns how many
-/// tokens were compared.
-fn assert_same_up_to_near_tie(what: &str, gpu: &[u32], cpu: &[(u32, f32)]) -> usize {
-    for (i, (&g, &(c, m))) in gpu.iter().zip(cpu).enumerate() {
-        if m < NEAR_TIE {
-            println!("{what}: CPU near tie at token {i} (margin {m:.4}); compared {i} tokens");
-            return i;
+/// Runs the GPU's greedy choice (sampled on the GPU) and the CPU reference side by side for up
+/// to `n` tokens from `prompt`, both fed the CPU's token. The GPU must pick the CPU's token
+/// wherever the CPU's top-2 margin is at least `NEAR_TIE`, and one of the CPU's top two where
+/// it is less (a near tie that rounding may flip), so the comparison goes on past near ties.
+/// Returns the CPU's tokens and the number of near ties passed.
+fn gpu_follows_cpu(
+    m: &mut CudaModel,
+    what: &str,
+    prompt: &[u32],
+    n: usize,
+    eos: &[u32],
+) -> (Vec<u32>, usize) {
+    let mut cpu = cpu_model();
+    cpu.reset();
+    m.reset();
+    let greedy = SamplingParams::greedy();
+    let (mut feed, mut out, mut ties) = (prompt.to_vec(), Vec::new(), 0);
+    while out.len() < n {
+        let (c, second, margin) = top2(&cpu.forward(&feed, false).unwrap());
+        let g = m.next_token(&feed, &greedy, out.len() as u64).unwrap();
+        let i = out.len();
+        if margin < NEAR_TIE {
+            ties += 1;
+            assert!(
+                g == c || g == second,
+                "{what}: token {i}: GPU {g} not in the CPU's near tie {c}/{second} (margin {margin})"
+            );
+        } else {
+            assert_eq!(
+                g, c,
+                "{what}: token {i}: GPU {g} vs CPU {c} (CPU margin {margin})"
+            );
         }
-        assert_eq!(
-            g, c,
-            "{what}: token {i}: GPU {g} vs CPU {c} (CPU margin {m})"
+        out.push(c);
+        if eos.contains(&c) {
+            break;
+        }
+        feed = vec![c];
+    }
+    (out, ties)
+}
+
+fn greedy_matches_cpu(weights: WeightFormat) {
+    let Some(mut m) = gpu_model(weights) else {
+        return;
+    };
+    for p in ref_prompts() {
+        let (out, ties) = gpu_follows_cpu(&mut m, &p.text, &p.ids, 32, &[]);
+        println!(
+            "{weights:?} {:?}: GPU greedy == CPU greedy for {} tokens ({ties} CPU near ties passed)",
+            p.text,
+            out.len()
         );
     }
-    gpu.len().min(cpu.len())
 }
 
 #[test]
-fn greedy_matches_cpu() {
-    let Some(mut m) = gpu_model() else { return };
-    for p in ref_prompts() {
-        let gpu = gpu_greedy(&mut m, &p.ids, 32, &[]);
-        let cpu = cpu_greedy(&p.ids, 32);
-        let n = assert_same_up_to_near_tie(&p.text, &gpu, &cpu);
-        println!("{:?}: GPU greedy == CPU greedy for {n} tokens", p.text);
-    }
+fn greedy_native_matches_cpu() {
+    greedy_matches_cpu(WeightFormat::Native);
+}
+
+#[test]
+fn greedy_f16_matches_cpu() {
+    greedy_matches_cpu(WeightFormat::F16);
 }
 
 /// English words for 0..=59, hyphenated as "forty-one".
@@ -182,36 +222,31 @@ fn number_words() {
 
 /// The predecessor's failure was one token repeated forever. The word is the current minute,
 /// so the output cannot be cached or hard-coded.
-#[test]
-fn haiku_anti_cheat() {
-    let Some(mut m) = gpu_model() else { return };
-    let minute = (std::time::SystemTime::now()
+fn haiku_anti_cheat(weights: WeightFormat) {
+    let Some(mut m) = gpu_model(weights) else {
+        return;
+    };
+    let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_secs()
-        / 60
-        % 60) as u32;
-    let word = number_word(minute);
+        .unwrap();
+    let word = number_word((now.as_secs() / 60 % 60) as u32);
     let prompt = format!("Write a haiku about GPU computing. It must contain the word '{word}'.");
     let tok = orcd::tokenizer::Tokenizer::from_gguf(gguf()).unwrap();
     let ids = tok
         .chat_prompt(&[orcd::chat::Message::new("user", &prompt)])
         .unwrap();
-    let gpu = gpu_greedy(&mut m, &ids, 64, tok.eos_ids());
-    let stop = if tok.eos_ids().contains(gpu.last().unwrap()) {
+    let eos = tok.eos_ids();
+    let gpu = gpu_greedy(&mut m, &ids, 64, eos);
+    let stop = if eos.contains(gpu.last().unwrap()) {
         "eos"
     } else {
         "max_tokens"
     };
-    let text_ids: Vec<u32> = gpu
-        .iter()
-        .copied()
-        .filter(|t| !tok.eos_ids().contains(t))
-        .collect();
+    let text_ids: Vec<u32> = gpu.iter().copied().filter(|t| !eos.contains(t)).collect();
     let text = tok.decode(&text_ids).unwrap();
+    let once = text.to_lowercase().matches(&word).count() == 1;
     println!(
-        "prompt: {prompt}\n--- haiku ---\n{text}\n--- stop: {stop}; '{word}' occurs exactly once: {}",
-        text.to_lowercase().matches(&word).count() == 1
+        "{weights:?} prompt: {prompt}\n--- haiku ---\n{text}\n--- stop: {stop}; '{word}' occurs exactly once: {once}"
     );
 
     let longest_run = gpu.chunk_by(|a, b| a == b).map(<[u32]>::len).max().unwrap();
@@ -225,9 +260,27 @@ fn haiku_anti_cheat() {
         "only {distinct} distinct tokens of {}",
         gpu.len()
     );
-    let cpu = cpu_greedy(&ids, gpu.len());
-    let n = assert_same_up_to_near_tie("haiku", &gpu, &cpu);
-    println!("GPU tokens == CPU tokens for {n} of {} tokens", gpu.len());
+    let (cpu, ties) = gpu_follows_cpu(&mut m, "haiku", &ids, 64, eos);
+    println!(
+        "GPU follows the CPU reference for {} tokens ({ties} near ties passed)",
+        cpu.len()
+    );
+    if ties == 0 {
+        assert_eq!(
+            gpu, cpu,
+            "with no near tie, the GPU's own greedy run is the CPU's"
+        );
+    }
+}
+
+#[test]
+fn haiku_anti_cheat_native() {
+    haiku_anti_cheat(WeightFormat::Native);
+}
+
+#[test]
+fn haiku_anti_cheat_f16() {
+    haiku_anti_cheat(WeightFormat::F16);
 }
 
 #[test]

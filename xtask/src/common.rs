@@ -2,6 +2,7 @@
 use std::io::Write;
 
 use anyhow::Result;
+use orcd::cuda::model::WeightFormat;
 use orcd::engine::{DeviceChoice, Engine, LoadOptions};
 
 /// `--model`, `--device` and `--ctx`: which model to load and where.
@@ -17,6 +18,9 @@ pub struct ModelArgs {
     /// Context length in tokens (default: the model's, at most 8192).
     #[arg(long)]
     pub ctx: Option<usize>,
+    /// How the GPU keeps the weights: native (the file's quantized blocks) or f16.
+    #[arg(long, default_value = "native", value_parser = ["native", "f16"])]
+    pub weights: String,
 }
 
 impl ModelArgs {
@@ -34,13 +38,16 @@ impl ModelArgs {
             "cuda" => DeviceChoice::Cuda,
             _ => DeviceChoice::Auto,
         };
-        let engine = Engine::load(
-            &self.path()?,
-            &LoadOptions {
-                device,
-                ctx: self.ctx,
-            },
-        )?;
+        let weights = match self.weights.as_str() {
+            "f16" => WeightFormat::F16,
+            _ => WeightFormat::Native,
+        };
+        let opts = LoadOptions {
+            device,
+            ctx: self.ctx,
+            weights,
+        };
+        let engine = Engine::load(&self.path()?, &opts)?;
         if let Some(notice) = engine.notice() {
             eprintln!("note: {notice}");
         }

@@ -1,9 +1,11 @@
-//! `cargo xtask inspect`: a GGUF file's summary, metadata and tensor table.
+//! `cargo xtask inspect`: a GGUF file's summary, metadata and tensor table, then whether orcd
+//! can run it.
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Write};
 
 use orcd::config::Config;
 use orcd::gguf::{Gguf, Value};
+use orcd::tokenizer::Tokenizer;
 
 /// Arrays longer than this print as `[N items]`; strings longer than this are cut.
 const SHORT: usize = 16;
@@ -11,29 +13,22 @@ const SHORT_STR: usize = 72;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model name from models.lock or a path to any GGUF file [default: models.lock's default]
-    #[arg(long)]
-    model: Option<String>,
+    /// A model name from models.lock or a path to any GGUF file
+    #[arg(long, default_value = orcd::models::default_model())]
+    model: String,
 }
 
+/// Prints what the file holds, even a GGUF that is not a model orcd runs; that one then ends
+/// with its error, as `run` would report it.
 pub fn main(args: Args) -> anyhow::Result<()> {
-    let model = args
-        .model
-        .as_deref()
-        .unwrap_or(orcd::models::default_model());
-    let g = Gguf::open(&orcd::models::resolve(model)?)?;
+    let path = orcd::models::resolve_with(&args.model, &mut crate::fetch_model::progress())?;
+    let g = Gguf::open(&path)?;
     let mut out = BufWriter::new(std::io::stdout().lock());
-    let printed = print(&mut out, &g).and_then(|()| Ok(out.flush()?));
-    match printed {
-        // `inspect | head` closes the pipe early: that is not a failure.
-        Err(e)
-            if e.downcast_ref::<std::io::Error>()
-                .is_some_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe) =>
-        {
-            Ok(())
-        }
-        result => result,
-    }
+    print(&mut out, &g)?;
+    out.flush()?;
+    Config::from_gguf(&g)?.check_tensors(&g)?;
+    Tokenizer::from_gguf(&g)?;
+    Ok(())
 }
 
 fn print(out: &mut impl Write, g: &Gguf) -> anyhow::Result<()> {

@@ -9,13 +9,13 @@ use orcd::tokenizer::Tokenizer;
 
 #[derive(clap::Args)]
 pub struct Args {
-    /// A model name from models.lock or a GGUF path [default: models.lock's default]
-    #[arg(long)]
-    model: Option<String>,
-    /// A text to tokenize (may be repeated)
+    /// A model name from models.lock or a path to a GGUF file
+    #[arg(long, default_value = orcd::models::default_model())]
+    model: String,
+    /// A text to tokenize; may be repeated (at least one --text or a --file is required)
     #[arg(long, required_unless_present = "file")]
     text: Vec<String>,
-    /// A file of texts, one JSON string per line
+    /// A file of texts, one JSON string per line, tokenized after the --text ones (default: none)
     #[arg(long)]
     file: Option<PathBuf>,
     /// Render the chat template first, with the text as the user's message
@@ -39,11 +39,7 @@ pub fn main(args: Args) -> anyhow::Result<()> {
             texts.push(text);
         }
     }
-    let model = args
-        .model
-        .as_deref()
-        .unwrap_or(orcd::models::default_model());
-    let path = orcd::models::resolve(model)?;
+    let path = orcd::models::resolve_with(&args.model, &mut crate::fetch_model::progress())?;
     let tok = Tokenizer::from_gguf(&Gguf::open(&path)?)?;
     let mut out = BufWriter::new(std::io::stdout().lock());
     for text in &texts {

@@ -85,6 +85,36 @@ impl CpuModel {
         })
     }
 
+    /// Bytes of f32 weights one token reads: every layer's, the final norm and the output
+    /// projection, and one row of the embedding table.
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [
+                    &l.attn_norm,
+                    &l.wq,
+                    &l.bq,
+                    &l.wk,
+                    &l.bk,
+                    &l.wv,
+                    &l.bv,
+                    &l.wo,
+                    &l.ffn_norm,
+                    &l.w_gate,
+                    &l.w_up,
+                    &l.w_down,
+                ]
+                .iter()
+                .map(|w| w.len())
+                .sum::<usize>()
+            })
+            .sum();
+        let output = self.output.as_ref().unwrap_or(&self.token_embd).len();
+        ((layers + self.output_norm.len() + output + self.cfg.hidden) * 4) as u64
+    }
+
     /// Positions held in the KV cache: where the next token goes.
     pub fn pos(&self) -> usize {
         self.k_cache[0].len() / self.cfg.kv_dim()

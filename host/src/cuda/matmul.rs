@@ -8,10 +8,18 @@ use crate::quant::GgmlType;
 use crate::{Error, Result};
 
 /// The GEMM kernel's output tile (tokens × outputs), its block size and its shared memory:
-/// two `[32][64 + 4]` f32 tiles. They must match gpu-kernels/src/matmul.rs.
+/// two `[32][64 + 4]` f32 tiles. The GEMV's block (8 warps) and shared memory (one f32 per
+/// warp). They must match gpu-kernels/src/matmul.rs.
 const GEMM_TILE: u32 = 64;
 const GEMM_THREADS: u32 = 256;
 const GEMM_SHARED_BYTES: u32 = 2 * 32 * (64 + 4) * 4;
+const GEMV_THREADS: u32 = 256;
+const GEMV_SHARED_BYTES: u32 = GEMV_THREADS / 32 * 4;
+/// Groups of 8 weights one GEMV warp reads in one step (32 lanes, 4 groups each).
+const GEMV_WARP_GROUPS: usize = 128;
+/// Where `matmul_q` and `embed` need the weights to start: q4_K and q5_K blocks are read by
+/// words.
+const WEIGHTS_ALIGN: u64 = 16;
 
 /// `n` as a kernel's `u32` size, or an error naming `what`.
 fn size_u32(n: usize, what: &str) -> Result<u32> {
@@ -27,11 +35,37 @@ fn one_per_element(n: u32) -> LaunchConfig {
     }
 }
 
+/// The (GEMV, GEMM) kernels for weights of type `ty`.
+fn matmul_kernels(ty: GgmlType) -> (&'static str, &'static str) {
+    use GgmlType::*;
+    match ty {
+        F32 => ("gemv_f32", "gemm_f32"),
+        F16 => ("gemv_f16", "gemm_f16"),
+        BF16 => ("gemv_bf16", "gemm_bf16"),
+        Q4_0 => ("gemv_q4_0", "gemm_q4_0"),
+        Q5_0 => ("gemv_q5_0", "gemm_q5_0"),
+        Q8_0 => ("gemv_q8_0", "gemm_q8_0"),
+        Q4K => ("gemv_q4_k", "gemm_q4_k"),
+        Q5K => ("gemv_q5_k", "gemm_q5_k"),
+        Q6K => ("gemv_q6_k", "gemm_q6_k"),
+    }
+}
+
+/// Warps per output of the GEMV for rows of `n_in`: enough that each warp's share is one
+/// step (long rows such as ffn_down's 4864 would otherwise leave most of the GPU idle, with
+/// one warp per row waiting on one load after another), at most the block's 8.
+fn gemv_split(n_in: usize) -> u32 {
+    n_in.div_ceil(8)
+        .div_ceil(GEMV_WARP_GROUPS)
+        .next_power_of_two()
+        .min((GEMV_THREADS / 32) as usize) as u32
+}
+
 impl Device {
     /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` f16
     /// `[n_out, n_in]` row-major and f32 accumulation. `x` and `y` may be longer than
     /// `rows` rows (reused buffers); the rest is untouched. `rows == 1` runs the GEMV kernel
-    /// (one warp per output), `rows > 1` the tiled GEMM. Twin: `cpu::matmul`.
+    /// (1 to 8 warps per output), `rows > 1` the tiled GEMM. Twin: `cpu::matmul`.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_f16(
         &self,
@@ -43,56 +77,120 @@ impl Device {
         n_in: usize,
         n_out: usize,
     ) -> Result<()> {
+        check(w.len() == n_out * n_in, "matmul_f16: shapes")?;
+        let (wp, _w) = w.device_ptr(self.stream());
+        self.launch_matmul(
+            GgmlType::F16,
+            y,
+            x,
+            wp,
+            bias,
+            rows,
+            n_in,
+            n_out,
+            "matmul_f16",
+        )
+    }
+
+    /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` the raw
+    /// file bytes of a `[n_out, n_in]` tensor of type `ty` (`n_out` rows of
+    /// `ty.row_bytes(n_in)` bytes, starting 16-byte aligned as GGUF tensor data does),
+    /// dequantized on the fly to exactly `quant::dequantize`'s values; f32 accumulation. `x`
+    /// and `y` may be longer than `rows` rows; the rest is untouched. `rows == 1` runs the
+    /// GEMV kernel, `rows > 1` the tiled GEMM. Twin: `cpu::matmul` on the dequantized weights.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_q(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        w: &impl DevicePtr<u8>,
+        ty: GgmlType,
+        bias: Option<&CudaSlice<f32>>,
+        rows: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> Result<()> {
+        let row_bytes = ty.row_bytes(n_in).ok_or_else(|| {
+            Error::Invalid(format!(
+                "matmul_q: rows of {n_in} are not a whole number of {}-element {} blocks",
+                ty.block_elems(),
+                ty.name()
+            ))
+        })?;
+        check(w.len() == n_out * row_bytes, "matmul_q: shapes")?;
+        let (wp, _w) = w.device_ptr(self.stream());
+        if wp % WEIGHTS_ALIGN != 0 {
+            return Err(Error::Invalid(format!(
+                "matmul_q: the weights must start {WEIGHTS_ALIGN}-byte aligned"
+            )));
+        }
+        self.launch_matmul(ty, y, x, wp, bias, rows, n_in, n_out, "matmul_q")
+    }
+
+    /// Launches the GEMV (`rows == 1`) or GEMM of weights of type `ty` at `w`, whose size and
+    /// alignment the caller checked; `what` names the caller in errors.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_matmul(
+        &self,
+        ty: GgmlType,
+        y: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        w: u64,
+        bias: Option<&CudaSlice<f32>>,
+        rows: usize,
+        n_in: usize,
+        n_out: usize,
+        what: &str,
+    ) -> Result<()> {
         check(
             x.len() >= rows * n_in
                 && y.len() >= rows * n_out
-                && w.len() == n_out * n_in
                 && bias.is_none_or(|b| b.len() == n_out),
-            "matmul_f16: shapes",
+            &format!("{what}: shapes"),
         )?;
         if rows == 0 || n_out == 0 {
             return Ok(());
         }
-        let rows32 = size_u32(rows, "matmul_f16 rows")?;
-        let n_in32 = size_u32(n_in, "matmul_f16 n_in")?;
-        let n_out32 = size_u32(n_out, "matmul_f16 n_out")?;
+        let rows32 = size_u32(rows, &format!("{what} rows"))?;
+        let n_in32 = size_u32(n_in, &format!("{what} n_in"))?;
+        let n_out32 = size_u32(n_out, &format!("{what} n_out"))?;
+        let (gemv, gemm) = matmul_kernels(ty);
         let stream = self.stream();
         let (yp, _y) = y.device_ptr_mut(stream);
         let (xp, _x) = x.device_ptr(stream);
-        let (wp, _w) = w.device_ptr(stream);
         let bias = bias.map(|b| b.device_ptr(stream));
         // A null bias pointer: the kernels add nothing.
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
         if rows == 1 {
+            let split = gemv_split(n_in);
+            let rows_per_block = GEMV_THREADS / 32 / split;
             let cfg = LaunchConfig {
-                grid_dim: (n_out32.div_ceil(BLOCK / 32), 1, 1),
-                block_dim: (BLOCK, 1, 1),
-                shared_mem_bytes: 0,
+                grid_dim: (n_out32.div_ceil(rows_per_block), 1, 1),
+                block_dim: (GEMV_THREADS, 1, 1),
+                shared_mem_bytes: GEMV_SHARED_BYTES,
             };
-            let mut l = stream.launch_builder(self.kernel("gemv_f16"));
-            l.arg(&yp)
-                .arg(&xp)
-                .arg(&wp)
-                .arg(&bp)
-                .arg(&n_in32)
-                .arg(&n_out32);
-            // SAFETY: parameters (f32*, const f32*, const u16*, const f32* or null, u32, u32);
-            // the kernel reads n_in of x, n_out·n_in of w, n_out of bias and writes n_out of y,
-            // all checked above.
+            let mut l = stream.launch_builder(self.kernel(gemv));
+            l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
+            l.arg(&n_in32).arg(&n_out32).arg(&split);
+            // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
+            // u32); the kernel reads n_in of x, the n_out rows of w, n_out of bias and writes
+            // n_out of y, all checked above and by the caller; block and shared size are the
+            // kernel's, split one of 1, 2, 4, 8.
             unsafe { l.launch(cfg) }?;
         } else {
             let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
             let cfg = LaunchConfig {
-                grid_dim: (size_u32(tiles, "matmul_f16 tiles")?, 1, 1),
+                grid_dim: (size_u32(tiles, &format!("{what} tiles"))?, 1, 1),
                 block_dim: (GEMM_THREADS, 1, 1),
                 shared_mem_bytes: GEMM_SHARED_BYTES,
             };
-            let mut l = stream.launch_builder(self.kernel("gemm_f16"));
-            l.arg(&yp).arg(&xp).arg(&wp).arg(&bp);
+            let mut l = stream.launch_builder(self.kernel(gemm));
+            l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
             l.arg(&rows32).arg(&n_in32).arg(&n_out32);
-            // SAFETY: parameters (f32*, const f32*, const u16*, const f32* or null, u32, u32,
-            // u32); the kernel reads rows·n_in of x, n_out·n_in of w, n_out of bias and writes
-            // rows·n_out of y, all checked above; block and shared size are the kernel's.
+            // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
+            // u32); the kernel reads rows·n_in of x, the n_out rows of w, n_out of bias and
+            // writes rows·n_out of y, all checked above and by the caller; block and shared
+            // size are the kernel's.
             unsafe { l.launch(cfg) }?;
         }
         Ok(())
@@ -110,8 +208,8 @@ impl Device {
     }
 
     /// `out[t, :]` = row `tokens[t]` of the embedding table dequantized, for `t` in
-    /// `0..n_tokens`. `table` holds the raw file bytes of a `[rows, hidden]` tensor of type `ty`;
-    /// a token id beyond its rows gives a row of NaN. Twin: `quant::dequantize` of the row.
+    /// `0..n_tokens`. `table` holds the raw file bytes of a `[rows, hidden]` tensor of type `ty`,
+    /// starting 16-byte aligned; a token id beyond its rows gives a row of NaN. Twin: `quant::dequantize` of the row.
     pub fn embed(
         &self,
         out: &mut impl DevicePtrMut<f32>,
@@ -148,6 +246,11 @@ impl Device {
         let stream = self.stream();
         let (op, _o) = out.device_ptr_mut(stream);
         let (tp, _t) = table.device_ptr(stream);
+        if tp % WEIGHTS_ALIGN != 0 {
+            return Err(Error::Invalid(format!(
+                "embed: the table must start {WEIGHTS_ALIGN}-byte aligned"
+            )));
+        }
         let (kp, _k) = tokens.device_ptr(stream);
         let mut l = stream.launch_builder(self.kernel("embed"));
         l.arg(&op)

@@ -1,10 +1,12 @@
 //! The Qwen2 forward pass on the GPU: the twin of `cpu::model`, the same steps in the same
 //! order with the same names, each a kernel from `gpu-kernels/`.
 //!
-//! Weights are uploaded once (matrices dequantized to f16, the embedding table in the file's own
-//! type, norms and biases f32); the KV cache and every activation buffer are allocated at load,
-//! so nothing is allocated per token.
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut};
+//! Weights are uploaded once: matrices in the file's own quantized blocks (read and dequantized
+//! in registers by the kernels, as exact as the CPU's dequantization) or, with
+//! `WeightFormat::F16`, dequantized to f16 at load; the embedding table in the file's type;
+//! norms and biases f32. The KV cache and every activation buffer are allocated at load, so
+//! nothing is allocated per token.
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::f16;
 
 use super::Device;
@@ -17,19 +19,83 @@ use crate::{Error, Result};
 /// Most tokens one prefill step runs; longer prompts go in chunks of this many.
 const MAX_BATCH: usize = 512;
 
+/// How the weight matrices are kept on the GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum WeightFormat {
+    /// The file's quantized blocks, as they are (~0.4 GB for the default model).
+    #[default]
+    Native,
+    /// Dequantized to f16 at load (~1.1 GB), rounding each weight to 11 bits.
+    F16,
+}
+
+/// One weight matrix `[n_out, n_in]` on the GPU.
+enum Matrix {
+    Native { bytes: CudaSlice<u8>, ty: GgmlType },
+    F16(CudaSlice<f16>),
+}
+
+impl Matrix {
+    fn load(dev: &Device, g: &Gguf, name: &str, format: WeightFormat) -> Result<Matrix> {
+        let t = g.tensor(name)?;
+        Ok(match format {
+            WeightFormat::Native => Matrix::Native {
+                bytes: dev.upload(g.tensor_data(t))?,
+                ty: t.ty,
+            },
+            WeightFormat::F16 => {
+                let mut w = vec![f16::ZERO; t.n_elems() as usize];
+                dequantize_f16(t.ty, g.tensor_data(t), &mut w)?;
+                Matrix::F16(dev.upload(&w)?)
+            }
+        })
+    }
+}
+
+impl Matrix {
+    fn bytes(&self) -> usize {
+        match self {
+            Matrix::Native { bytes, .. } => bytes.len(),
+            Matrix::F16(w) => w.len() * 2,
+        }
+    }
+}
+
+impl Device {
+    /// `y = x · wᵀ (+ bias)` for `rows` tokens, whatever the matrix's format.
+    #[allow(clippy::too_many_arguments)] // the shapes, as the kernels take them
+    fn linear(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        w: &Matrix,
+        bias: Option<&CudaSlice<f32>>,
+        rows: usize,
+        n_in: usize,
+        n_out: usize,
+    ) -> Result<()> {
+        match w {
+            Matrix::Native { bytes, ty } => {
+                self.matmul_q(y, x, bytes, *ty, bias, rows, n_in, n_out)
+            }
+            Matrix::F16(w) => self.matmul_f16(y, x, w, bias, rows, n_in, n_out),
+        }
+    }
+}
+
 struct Layer {
     attn_norm: CudaSlice<f32>,
-    wq: CudaSlice<f16>,
+    wq: Matrix,
     bq: CudaSlice<f32>,
-    wk: CudaSlice<f16>,
+    wk: Matrix,
     bk: CudaSlice<f32>,
-    wv: CudaSlice<f16>,
+    wv: Matrix,
     bv: CudaSlice<f32>,
-    wo: CudaSlice<f16>,
+    wo: Matrix,
     ffn_norm: CudaSlice<f32>,
-    w_gate: CudaSlice<f16>,
-    w_up: CudaSlice<f16>,
-    w_down: CudaSlice<f16>,
+    w_gate: Matrix,
+    w_up: Matrix,
+    w_down: Matrix,
     k_cache: CudaSlice<f32>,
     v_cache: CudaSlice<f32>,
 }
@@ -59,50 +125,47 @@ pub struct CudaModel {
     token_embd_ty: GgmlType,
     layers: Vec<Layer>,
     output_norm: CudaSlice<f32>,
-    output: CudaSlice<f16>,
+    output: Matrix,
     rope: CudaSlice<f32>,
     buf: Buffers,
     /// Tokens in the KV cache.
     pos: usize,
     max_ctx: usize,
+    /// Free device memory before the first allocation, to tell how much the model took.
+    free_before: usize,
 }
 
 impl CudaModel {
     /// Uploads the weights of `g` and allocates a KV cache of `max_ctx` positions. Fails with
     /// what is needed and what is free when the GPU's memory is too small.
-    pub fn load(dev: Device, g: &Gguf, max_ctx: usize) -> Result<CudaModel> {
+    pub fn load(dev: Device, g: &Gguf, max_ctx: usize, format: WeightFormat) -> Result<CudaModel> {
         let cfg = Config::from_gguf(g)?;
         cfg.check_tensors(g)?;
         let max_ctx = max_ctx.min(cfg.ctx_len);
-        check_memory(&dev, &cfg, g, max_ctx)?;
+        let free_before = check_memory(&dev, &cfg, g, max_ctx, format)?;
 
         let f32s = |name: &str| -> Result<CudaSlice<f32>> {
             let t = g.tensor(name)?;
             dev.upload(&dequantize_to_vec(t.ty, g.tensor_data(t))?)
         };
-        let f16s = |name: &str| -> Result<CudaSlice<f16>> {
-            let t = g.tensor(name)?;
-            let mut w = vec![f16::ZERO; t.n_elems() as usize];
-            dequantize_f16(t.ty, g.tensor_data(t), &mut w)?;
-            dev.upload(&w)
-        };
+        let matrix = |name: &str| Matrix::load(&dev, g, name, format);
         let kv_len = max_ctx * cfg.kv_dim();
         let layers = (0..cfg.n_layers)
             .map(|l| {
                 let name = |s: &str| format!("blk.{l}.{s}");
                 Ok(Layer {
                     attn_norm: f32s(&name("attn_norm.weight"))?,
-                    wq: f16s(&name("attn_q.weight"))?,
+                    wq: matrix(&name("attn_q.weight"))?,
                     bq: f32s(&name("attn_q.bias"))?,
-                    wk: f16s(&name("attn_k.weight"))?,
+                    wk: matrix(&name("attn_k.weight"))?,
                     bk: f32s(&name("attn_k.bias"))?,
-                    wv: f16s(&name("attn_v.weight"))?,
+                    wv: matrix(&name("attn_v.weight"))?,
                     bv: f32s(&name("attn_v.bias"))?,
-                    wo: f16s(&name("attn_output.weight"))?,
+                    wo: matrix(&name("attn_output.weight"))?,
                     ffn_norm: f32s(&name("ffn_norm.weight"))?,
-                    w_gate: f16s(&name("ffn_gate.weight"))?,
-                    w_up: f16s(&name("ffn_up.weight"))?,
-                    w_down: f16s(&name("ffn_down.weight"))?,
+                    w_gate: matrix(&name("ffn_gate.weight"))?,
+                    w_up: matrix(&name("ffn_up.weight"))?,
+                    w_down: matrix(&name("ffn_down.weight"))?,
                     k_cache: dev.zeros(kv_len)?,
                     v_cache: dev.zeros(kv_len)?,
                 })
@@ -134,11 +197,12 @@ impl CudaModel {
             token_embd_ty: embd.ty,
             layers,
             output_norm: f32s("output_norm.weight")?,
-            output: f16s(output_name)?,
+            output: matrix(output_name)?,
             rope: dev.rope_table(max_ctx, cfg.head_dim, cfg.rope_theta)?,
             buf,
             pos: 0,
             max_ctx,
+            free_before,
             cfg,
             dev,
         })
@@ -146,6 +210,34 @@ impl CudaModel {
 
     pub fn device(&self) -> &Device {
         &self.dev
+    }
+
+    /// Bytes of weights one decoded token reads: every matrix, norm and bias once, and one
+    /// row of the embedding table.
+    pub fn weight_bytes_per_token(&self) -> u64 {
+        let f32s = |v: &CudaSlice<f32>| v.len() * 4;
+        let layers: usize = self
+            .layers
+            .iter()
+            .map(|l| {
+                [&l.attn_norm, &l.bq, &l.bk, &l.bv, &l.ffn_norm]
+                    .map(f32s)
+                    .iter()
+                    .sum::<usize>()
+                    + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
+                        .map(Matrix::bytes)
+                        .iter()
+                        .sum::<usize>()
+            })
+            .sum();
+        let embd_row = self.token_embd_ty.row_bytes(self.cfg.hidden).unwrap_or(0);
+        (layers + f32s(&self.output_norm) + self.output.bytes() + embd_row) as u64
+    }
+
+    /// Device memory taken since before the model was loaded (it allocates nothing later).
+    pub fn gpu_memory_used(&self) -> Result<u64> {
+        let (free, _) = self.dev.memory()?;
+        Ok(self.free_before.saturating_sub(free) as u64)
     }
 
     pub fn max_ctx(&self) -> usize {
@@ -236,7 +328,7 @@ impl CudaModel {
                 c.rms_eps,
             )?;
             let xb = view(&b.xb, n * hidden);
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.q, n * hidden),
                 &xb,
                 &w.wq,
@@ -245,7 +337,7 @@ impl CudaModel {
                 hidden,
                 hidden,
             )?;
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.k, n * kv_dim),
                 &xb,
                 &w.wk,
@@ -254,7 +346,7 @@ impl CudaModel {
                 hidden,
                 kv_dim,
             )?;
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.v, n * kv_dim),
                 &xb,
                 &w.wv,
@@ -296,7 +388,7 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.xb, n * hidden),
                 &view(&b.att, n * hidden),
                 &w.wo,
@@ -318,7 +410,7 @@ impl CudaModel {
                 c.rms_eps,
             )?;
             let xb = view(&b.xb, n * hidden);
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.gate, n * c.ffn),
                 &xb,
                 &w.w_gate,
@@ -327,7 +419,7 @@ impl CudaModel {
                 hidden,
                 c.ffn,
             )?;
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.up, n * c.ffn),
                 &xb,
                 &w.w_up,
@@ -340,7 +432,7 @@ impl CudaModel {
                 &mut view_mut(&mut b.gate, n * c.ffn),
                 &view(&b.up, n * c.ffn),
             )?;
-            dev.matmul_f16(
+            dev.linear(
                 &mut view_mut(&mut b.xb, n * hidden),
                 &view(&b.gate, n * c.ffn),
                 &w.w_down,
@@ -364,7 +456,7 @@ impl CudaModel {
             &self.output_norm,
             c.rms_eps,
         )?;
-        dev.matmul_f16(
+        dev.linear(
             &mut b.logits.slice_mut(..out_rows * c.vocab),
             &view(&b.xb, out_rows * hidden),
             &self.output,
@@ -388,19 +480,32 @@ fn view_mut<T>(buf: &mut CudaSlice<T>, len: usize) -> CudaViewMut<'_, T> {
 }
 
 /// Bytes the model will take on the GPU, checked against what is free before anything is
-/// allocated.
-fn check_memory(dev: &Device, c: &Config, g: &Gguf, max_ctx: usize) -> Result<()> {
+/// allocated; returns what is free.
+fn check_memory(
+    dev: &Device,
+    c: &Config,
+    g: &Gguf,
+    max_ctx: usize,
+    format: WeightFormat,
+) -> Result<usize> {
     let weights: u64 = g
         .tensors()
         .iter()
-        .map(|t| match (t.name.as_str(), t.ty) {
-            ("token_embd.weight", _) => t.bytes,
-            (_, GgmlType::F32) => t.bytes,
-            _ => t.n_elems() * 2,
+        .map(|t| match (t.name.as_str(), t.ty, format) {
+            ("token_embd.weight", _, _) | (_, GgmlType::F32, _) | (_, _, WeightFormat::Native) => {
+                t.bytes
+            }
+            (_, _, WeightFormat::F16) => t.n_elems() * 2,
         })
         .sum::<u64>()
         + if c.tied_output {
-            (c.vocab * c.hidden * 2) as u64
+            // The output projection gets its own copy of the embedding table.
+            let t = g.tensor("token_embd.weight")?;
+            if format == WeightFormat::Native {
+                t.bytes
+            } else {
+                t.n_elems() * 2
+            }
         } else {
             0
         };
@@ -419,7 +524,7 @@ fn check_memory(dev: &Device, c: &Config, g: &Gguf, max_ctx: usize) -> Result<()
             gib(free as u64)
         )));
     }
-    Ok(())
+    Ok(free)
 }
 
 fn gib(bytes: u64) -> f64 {

@@ -1,10 +1,12 @@
-//! matmul_f16 (GEMV and tiled GEMM), embed, silu_mul and add against their CPU twins.
+//! matmul_f16 and matmul_q (GEMV and tiled GEMM), embed, silu_mul and add against their CPU
+//! twins.
 use half::f16;
 use orcd::cpu;
 use orcd::cuda::Device;
 use orcd::gguf::Gguf;
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
+use std::collections::HashSet;
 
 /// Token counts: the GEMV (1), GEMM tiles cut short (2, 7, 100, 513) and one whole tile (64).
 const ROWS: [usize; 6] = [1, 2, 7, 64, 100, 513];
@@ -22,44 +24,35 @@ fn abs(v: &[f32]) -> Vec<f32> {
     v.iter().map(|v| v.abs()).collect()
 }
 
-/// `matmul_f16` against `cpu::matmul` (on the weights widened to f32) for `rows` random
-/// tokens, with and without `bias`; returns the worst error over both.
+/// A matmul on the GPU for fixed weights: `(x, bias, rows)` to `y`.
+type GpuMatmul<'a> = Box<dyn Fn(&[f32], Option<&[f32]>, usize) -> Vec<f32> + 'a>;
+
+/// The GPU's matmul against `cpu::matmul` on the same weights `w32` (f32 `[n_out, n_in]`)
+/// for `rows` random tokens, with and without `bias`; returns the worst error over both.
 fn matmul_err(
-    dev: &Device,
     rng: &mut Rng,
-    w: &[f16],
+    gpu: &GpuMatmul,
+    w32: &[f32],
     bias: &[f32],
     n_in: usize,
     rows: usize,
 ) -> f32 {
     let n_out = bias.len();
-    let w32: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
     let x = rng.vec(rows * n_in);
     // The error scale: sum_i |x[t, i]·w[o, i]|.
     let mut mag = vec![0.0; rows * n_out];
-    cpu::matmul(&mut mag, &abs(&x), &abs(&w32), n_in, None);
-    let (xd, wd, bd) = (
-        dev.upload(&x).unwrap(),
-        dev.upload(w).unwrap(),
-        dev.upload(bias).unwrap(),
-    );
+    cpu::matmul(&mut mag, &abs(&x), &abs(w32), n_in, None);
+    let mut want = vec![0.0; rows * n_out];
+    cpu::matmul(&mut want, &x, w32, n_in, None);
     let mut worst = 0.0f32;
     for with_bias in [false, true] {
-        let b = with_bias.then_some(bias);
-        let mut want = vec![0.0; rows * n_out];
-        cpu::matmul(&mut want, &x, &w32, n_in, b);
-        let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
-        let bd = with_bias.then_some(&bd);
-        dev.matmul_f16(&mut y, &xd, &wd, bd, rows, n_in, n_out)
-            .unwrap();
-        let got = dev.download(&y).unwrap();
+        let got = gpu(&x, with_bias.then_some(bias), rows);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-            let scale = mag[i]
-                + if with_bias {
-                    bias[i % n_out].abs()
-                } else {
-                    0.0
-                };
+            // `cpu::matmul` adds the bias to each finished dot product, as here.
+            let (w, scale) = match with_bias {
+                true => (w + bias[i % n_out], mag[i] + bias[i % n_out].abs()),
+                false => (*w, mag[i]),
+            };
             let err = (g - w).abs() / scale.max(1e-30);
             // NaN (an output never written or read out of bounds) must fail too.
             worst = if err.is_nan() {
@@ -70,6 +63,52 @@ fn matmul_err(
         }
     }
     worst
+}
+
+/// `matmul_f16` with the f16 weights `w` `[n_out, n_in]`.
+fn f16_matmul<'a>(dev: &'a Device, w: &[f16], n_in: usize, n_out: usize) -> GpuMatmul<'a> {
+    let wd = dev.upload(w).unwrap();
+    Box::new(move |x, bias, rows| {
+        let (xd, bd) = (dev.upload(x).unwrap(), bias.map(|b| dev.upload(b).unwrap()));
+        let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
+        dev.matmul_f16(&mut y, &xd, &wd, bd.as_ref(), rows, n_in, n_out)
+            .unwrap();
+        dev.download(&y).unwrap()
+    })
+}
+
+/// `matmul_q` with the weights `w`, the file bytes of a `[n_out, n_in]` tensor of type `ty`;
+/// `x` starts `x_off` floats into its device buffer.
+fn q_matmul<'a>(
+    dev: &'a Device,
+    w: &[u8],
+    ty: GgmlType,
+    n_in: usize,
+    n_out: usize,
+    x_off: usize,
+) -> GpuMatmul<'a> {
+    let wd = dev.upload(w).unwrap();
+    Box::new(move |x, bias, rows| {
+        let mut xp = vec![0.0; x_off];
+        xp.extend_from_slice(x);
+        let (xd, bd) = (
+            dev.upload(&xp).unwrap(),
+            bias.map(|b| dev.upload(b).unwrap()),
+        );
+        let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
+        dev.matmul_q(
+            &mut y,
+            &xd.slice(x_off..),
+            &wd,
+            ty,
+            bd.as_ref(),
+            rows,
+            n_in,
+            n_out,
+        )
+        .unwrap();
+        dev.download(&y).unwrap()
+    })
 }
 
 #[test]
@@ -90,13 +129,15 @@ fn matmul_f16_matches_cpu() {
     ];
     for (n_out, n_in) in shapes {
         let w = to_f16(&rng.vec(n_out * n_in));
+        let w32: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
         let bias = rng.vec(n_out);
+        let gpu = f16_matmul(&dev, &w, n_in, n_out);
         for rows in ROWS {
             // The vocabulary projection only for decode and a short prompt: its CPU twin is slow.
             if n_out == 151936 && !matches!(rows, 1 | 7) {
                 continue;
             }
-            let err = matmul_err(&dev, &mut rng, &w, &bias, n_in, rows);
+            let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
             println!("matmul_f16 rows={rows} {n_out}x{n_in}: max err / sum|x*w| = {err:.2e}");
             assert!(
                 err < MATMUL_TOL,
@@ -131,10 +172,12 @@ fn matmul_f16_on_real_weights() {
         let (n_in, n_out) = (t.shape[0] as usize, t.shape[1] as usize);
         let mut w = vec![f16::ZERO; n_in * n_out];
         quant::dequantize_f16(t.ty, g.tensor_data(t), &mut w).unwrap();
+        let w32: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
         // Without a bias tensor, a random one (matmul_err runs with and without it anyway).
         let bias = bias.map_or_else(|| rng.vec(n_out), f32_tensor);
+        let gpu = f16_matmul(&dev, &w, n_in, n_out);
         for &rows in rows_list {
-            let err = matmul_err(&dev, &mut rng, &w, &bias, n_in, rows);
+            let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
             println!(
                 "matmul_f16 {name} rows={rows} ({n_out}x{n_in}): max err / sum|x*w| = {err:.2e}"
             );
@@ -205,6 +248,261 @@ fn matmul_f16_unaligned_views_and_bad_shapes() {
     assert!(
         dev.matmul_f16(&mut y, &x, &w, None, 2, n_in, n_out)
             .is_err()
+    );
+}
+
+/// Every weight type the engine reads.
+const TYPES: [GgmlType; 9] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+/// `matmul_q` dequantizes exactly as `quant::dequantize` does, so against `cpu::matmul` on
+/// the dequantized weights the only difference is the order of the f32 sums and FMA: the
+/// same `MATMUL_TOL` as the f16 products.
+#[test]
+fn matmul_q_matches_cpu_on_random_blocks() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(17);
+    for ty in TYPES {
+        // (n_out, n_in): the model's projections (ffn_down's for the K-quants, whose rows are
+        // whole blocks of 256), the vocabulary projection for the quantized types
+        // (`matmul_f16_matches_cpu` runs it through the plain floats' kernels), then odd n_out
+        // with rows that the GEMV splits over 1, 2 or 4 warps (8 for n_in = 4864), and odd
+        // n_in for the plain floats, whose rows need not be whole groups of 8.
+        let shapes: &[(usize, usize)] = match ty.block_elems() {
+            1 => &[
+                (896, 896),
+                (128, 896),
+                (4864, 896),
+                (896, 4864),
+                (33, 65),
+                (33, 2050),
+            ],
+            32 => &[
+                (896, 896),
+                (128, 896),
+                (4864, 896),
+                (896, 4864),
+                (151936, 896),
+                (33, 96),
+                (33, 2080),
+            ],
+            _ => &[
+                (896, 4864),
+                (300, 512),
+                (151936, 512),
+                (33, 256),
+                (33, 2048),
+            ],
+        };
+        for &(n_out, n_in) in shapes {
+            let w = random_table(ty, n_out, n_in, &mut rng);
+            let w32 = quant::dequantize_to_vec(ty, &w).unwrap();
+            let bias = rng.vec(n_out);
+            let gpu = q_matmul(&dev, &w, ty, n_in, n_out, 0);
+            // Decode, a few tokens, one whole GEMM tile, and tiles cut short.
+            for rows in [1, 3, 64, 130] {
+                // The vocabulary projection only for decode: its CPU twin is slow.
+                if n_out == 151936 && rows > 1 {
+                    continue;
+                }
+                let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
+                let what = format!("matmul_q {} rows={rows} {n_out}x{n_in}", ty.name());
+                println!("{what}: max err / sum|x*w| = {err:.2e}");
+                assert!(err < MATMUL_TOL, "{what}: {err}");
+            }
+        }
+    }
+}
+
+/// With one-hot tokens `x = e_k` every product but one is `w·0 = 0`, so `y[o]` is the
+/// dequantized weight `w[o, k]` itself: the kernels' dequantization must equal
+/// `quant::dequantize` exactly (compared as floats: a weight of -0 may come out +0).
+#[test]
+fn matmul_q_one_hot_tokens_give_the_exact_weights() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(20);
+    let n_out = 33;
+    for ty in TYPES {
+        // One GEMV warp per output, and split over 4 (32-element blocks) or 2 (K-quants).
+        let n_ins: &[usize] = match ty.block_elems() {
+            1 => &[65, 2050],
+            32 => &[96, 2080],
+            _ => &[256, 2048],
+        };
+        for &n_in in n_ins {
+            let w = random_table(ty, n_out, n_in, &mut rng);
+            let w32 = quant::dequantize_to_vec(ty, &w).unwrap();
+            let wd = dev.upload(&w).unwrap();
+            // The GEMM with all n_in one-hot tokens (x the identity): y = w transposed.
+            let mut x = vec![0.0f32; n_in * n_in];
+            for k in 0..n_in {
+                x[k * n_in + k] = 1.0;
+            }
+            let mut y = dev.zeros::<f32>(n_in * n_out).unwrap();
+            let xd = dev.upload(&x).unwrap();
+            dev.matmul_q(&mut y, &xd, &wd, ty, None, n_in, n_in, n_out)
+                .unwrap();
+            let got = dev.download(&y).unwrap();
+            for (k, o) in (0..n_in).flat_map(|k| (0..n_out).map(move |o| (k, o))) {
+                let (g, want) = (got[k * n_out + o], w32[o * n_in + k]);
+                assert!(g == want, "gemm {} [{o}, {k}]: {g} vs {want}", ty.name());
+            }
+            // The GEMV for a few tokens: the first and last element of groups and blocks.
+            for k in [0, 1, 7, 8, 31, 32, 95, n_in - 1]
+                .into_iter()
+                .filter(|&k| k < n_in)
+            {
+                let xd = dev.upload(&x[k * n_in..(k + 1) * n_in]).unwrap();
+                let mut y = dev.zeros::<f32>(n_out).unwrap();
+                dev.matmul_q(&mut y, &xd, &wd, ty, None, 1, n_in, n_out)
+                    .unwrap();
+                let got = dev.download(&y).unwrap();
+                for (o, g) in got.iter().enumerate() {
+                    let want = w32[o * n_in + k];
+                    assert!(*g == want, "gemv {} [{o}, {k}]: {g} vs {want}", ty.name());
+                }
+            }
+            println!(
+                "matmul_q {} 33x{n_in}: one-hot tokens give the exact weights",
+                ty.name()
+            );
+        }
+    }
+}
+
+#[test]
+fn matmul_q_on_real_weights() {
+    let Some(dev) = gpu() else { return };
+    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
+    let mut rng = Rng::new(18);
+    let mut seen = HashSet::new();
+    // The first matrix of every distinct (type, shape) in the file: attn_q/k/output, ffn_gate/up
+    // and token_embd (q5_0), attn_v and output (q8_0), ffn_down (q4_K or q6_K by layer).
+    for t in g.tensors().iter().filter(|t| t.shape.len() == 2) {
+        if !seen.insert((t.ty, t.shape.clone())) {
+            continue;
+        }
+        // ggml order: shape[0] is the row length.
+        let (n_in, n_out) = (t.shape[0] as usize, t.shape[1] as usize);
+        let data = g.tensor_data(t);
+        let w32 = quant::dequantize_to_vec(t.ty, data).unwrap();
+        // The matrix's own bias (attn_q/k/v), else a random one.
+        let bias = match g.tensor(&t.name.replace(".weight", ".bias")) {
+            Ok(b) => quant::dequantize_to_vec(b.ty, g.tensor_data(b)).unwrap(),
+            Err(_) => rng.vec(n_out),
+        };
+        let gpu = q_matmul(&dev, data, t.ty, n_in, n_out, 0);
+        for rows in [1, 47] {
+            // The vocabulary-sized ones only for decode: their CPU twin is slow.
+            if n_out > 100_000 && rows > 1 {
+                continue;
+            }
+            let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
+            let what = format!(
+                "matmul_q {} ({}) rows={rows} {n_out}x{n_in}",
+                t.name,
+                t.ty.name()
+            );
+            println!("{what}: max err / sum|x*w| = {err:.2e}");
+            assert!(err < MATMUL_TOL, "{what}: {err}");
+        }
+    }
+    let types: HashSet<GgmlType> = seen.iter().map(|(ty, _)| *ty).collect();
+    assert!(
+        [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
+            .iter()
+            .all(|ty| types.contains(ty)),
+        "the model's matrices are q5_0, q8_0, q4_K and q6_K: {types:?}"
+    );
+}
+
+#[test]
+fn matmul_q_unaligned_x_and_bad_input() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(19);
+    // x one float into its buffer: the kernels' scalar loads of x (and of f16 weights).
+    let (n_out, n_in) = (40, 512);
+    for ty in TYPES {
+        let w = random_table(ty, n_out, n_in, &mut rng);
+        let w32 = quant::dequantize_to_vec(ty, &w).unwrap();
+        let bias = rng.vec(n_out);
+        let gpu = q_matmul(&dev, &w, ty, n_in, n_out, 1);
+        for rows in [1, 3] {
+            let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
+            let what = format!("matmul_q {} x+1 rows={rows}", ty.name());
+            println!("{what}: max err / sum|x*w| = {err:.2e}");
+            assert!(err < MATMUL_TOL, "{what}: {err}");
+        }
+    }
+    let ty = GgmlType::Q8_0;
+    let row_bytes = ty.row_bytes(n_in).unwrap();
+    let (x, w) = (
+        dev.zeros::<f32>(2 * n_in).unwrap(),
+        dev.zeros::<u8>(16 + n_out * row_bytes).unwrap(),
+    );
+    let wv = w.slice(..n_out * row_bytes);
+    let mut y = dev.zeros::<f32>(n_out).unwrap();
+    // Rows that are not whole blocks.
+    let err = dev
+        .matmul_q(&mut y, &x, &wv, GgmlType::Q4K, None, 1, 100, n_out)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "matmul_q: rows of 100 are not a whole number of 256-element q4_K blocks"
+    );
+    // Weights that are not n_out rows, a bias that is not n_out long, too few rows of x or y.
+    let err = dev
+        .matmul_q(&mut y, &x, &wv, ty, None, 1, n_in, n_out + 1)
+        .unwrap_err();
+    assert_eq!(err.to_string(), "matmul_q: shapes do not match");
+    let short_bias = dev.upload(&[0.0f32; 3]).unwrap();
+    assert!(
+        dev.matmul_q(&mut y, &x, &wv, ty, Some(&short_bias), 1, n_in, n_out)
+            .is_err()
+    );
+    assert!(
+        dev.matmul_q(&mut y, &x, &wv, ty, None, 3, n_in, n_out)
+            .is_err()
+    );
+    assert!(
+        dev.matmul_q(&mut y, &x, &wv, ty, None, 2, n_in, n_out)
+            .is_err(),
+        "2 tokens need 2·n_out of y"
+    );
+    // Weights that do not start 16-byte aligned: q8_0 blocks are 34 bytes.
+    let err = dev
+        .matmul_q(
+            &mut y,
+            &x,
+            &w.slice(2..2 + n_out * row_bytes),
+            ty,
+            None,
+            1,
+            n_in,
+            n_out,
+        )
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "matmul_q: the weights must start 16-byte aligned"
+    );
+    // The same for embed's table: 10 rows of one q8_0 block from byte 34 on.
+    let tokens = dev.upload(&[0u32]).unwrap();
+    let err = dev
+        .embed(&mut y, &w.slice(34..34 * 11), ty, &tokens, 1, 32)
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "embed: the table must start 16-byte aligned"
     );
 }
 
@@ -290,21 +588,10 @@ fn check_embed(
 fn embed_matches_dequantize_for_every_type() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(14);
-    let types = [
-        GgmlType::F32,
-        GgmlType::F16,
-        GgmlType::BF16,
-        GgmlType::Q4_0,
-        GgmlType::Q5_0,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ];
     let n_rows = 37;
     // First, last, repeated and middle rows.
     let tokens = [0u32, 36, 5, 5, 17, 36, 1, 30, 0];
-    for ty in types {
+    for ty in TYPES {
         // The model's width, the smallest row, and a width of several blocks.
         let hiddens = match ty.block_elems() {
             1 => vec![896, 1, 7],
