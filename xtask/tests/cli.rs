@@ -682,6 +682,7 @@ fn options(help: &str) -> Vec<String> {
 /// process (wait4's rusage), so other tests' memory does not count.
 #[test]
 fn inspect_does_not_copy_the_model() {
+    #[allow(clippy::zombie_processes)] // reaped by wait4 below, which also gives its rusage
     let child = xtask()
         .args(["inspect", "--model", &model()])
         .stdout(Stdio::null())
