@@ -20,6 +20,9 @@ pub enum Error {
     NoCudaDevice,
     #[error("CUDA: {0}")]
     Cuda(String),
+    /// The model does not fit the GPU's free memory; says what was needed and what was free.
+    #[error("{0}")]
+    GpuMemory(String),
     #[error("fetch: {0}")]
     Fetch(String),
     #[error("{0}")]

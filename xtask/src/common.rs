@@ -5,19 +5,18 @@ use anyhow::Result;
 use orcd::cuda::model::WeightFormat;
 use orcd::engine::{DeviceChoice, Engine, LoadOptions};
 
-/// `--model`, `--device` and `--ctx`: which model to load and where.
+/// `--model`, `--device`, `--ctx` and `--weights`: which model to load and where.
 #[derive(clap::Args)]
 pub struct ModelArgs {
-    /// A models.lock name or a path to a GGUF file (default: models.lock's default, fetched on
-    /// first use).
-    #[arg(long)]
-    pub model: Option<String>,
+    /// A models.lock name (fetched on first use) or a path to a GGUF file.
+    #[arg(long, default_value = orcd::models::default_model())]
+    pub model: String,
     /// Where to run: auto (CUDA when a GPU is present, else CPU), cpu or cuda.
     #[arg(long, default_value = "auto", value_parser = ["auto", "cpu", "cuda"])]
     pub device: String,
     /// Context length in tokens (default: the model's, at most 8192).
-    #[arg(long)]
-    pub ctx: Option<usize>,
+    #[arg(long, value_parser = clap::value_parser!(u64).range(1..))]
+    pub ctx: Option<u64>,
     /// How the GPU keeps the weights: native (the file's quantized blocks) or f16.
     #[arg(long, default_value = "native", value_parser = ["native", "f16"])]
     pub weights: String,
@@ -25,11 +24,10 @@ pub struct ModelArgs {
 
 impl ModelArgs {
     pub fn path(&self) -> Result<std::path::PathBuf> {
-        let name = self
-            .model
-            .as_deref()
-            .unwrap_or(orcd::models::default_model());
-        Ok(orcd::models::resolve(name)?)
+        Ok(orcd::models::resolve_with(
+            &self.model,
+            &mut crate::fetch_model::progress(),
+        )?)
     }
 
     pub fn load(&self) -> Result<Engine> {
@@ -42,14 +40,20 @@ impl ModelArgs {
             "f16" => WeightFormat::F16,
             _ => WeightFormat::Native,
         };
+        let ctx = self.ctx.map(|c| c as usize);
         let opts = LoadOptions {
             device,
-            ctx: self.ctx,
+            ctx,
             weights,
         };
-        let engine = Engine::load(&self.path()?, &opts)?;
+        let engine = Engine::load(&self.path()?, &opts).map_err(|e| match e {
+            orcd::Error::NoCudaDriver | orcd::Error::NoCudaDevice => {
+                anyhow::anyhow!("--device cuda: {e}; use --device cpu or auto")
+            }
+            e => e.into(),
+        })?;
         if let Some(notice) = engine.notice() {
-            eprintln!("note: {notice}");
+            crate::note(notice);
         }
         Ok(engine)
     }

@@ -516,8 +516,14 @@ fn check_memory(
     let needed = weights + cache + acts;
     let (free, _total) = dev.memory()?;
     if needed > free as u64 {
-        return Err(Error::Cuda(format!(
-            "not enough GPU memory: the model needs {:.2} GiB ({:.2} GiB weights, {:.2} GiB KV cache for {max_ctx} positions) but {:.2} GiB are free; try a smaller --ctx",
+        // Only the cache grows with --ctx: suggest it when a smaller cache would do.
+        let hint = if needed - cache < free as u64 {
+            "; a smaller --ctx fits"
+        } else {
+            ""
+        };
+        return Err(Error::GpuMemory(format!(
+            "not enough GPU memory: the model needs {:.2} GiB ({:.2} GiB of weights, {:.2} GiB of KV cache for {max_ctx} positions) but {:.2} GiB are free{hint}",
             gib(needed),
             gib(weights),
             gib(cache),
