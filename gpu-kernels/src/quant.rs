@@ -268,20 +268,30 @@ pub unsafe fn quant8_at(ty: u32, row: *const u8, e: u32) -> [f32; 8] {
     }
 }
 
-/// `out[t, :] = ` row `tokens[t]` of the `[n_rows, hidden]` table of type `ty` (its raw file
-/// bytes), dequantized. A token id `>= n_rows` gives a row of NaN. `hidden` must be a whole
-/// number of blocks and `table` 16-byte aligned (both checked by the host). Grid: one block per token; block: any size;
-/// no shared memory.
+/// `out[t, :] = ` row `tokens[first + t]` of the `[n_rows, hidden]` table of type `ty` (its raw
+/// file bytes), dequantized, where `first` is `pos[0]`, or 0 when `pos` is null: a decode
+/// step reads its token at the position in device memory, so a captured CUDA graph replays
+/// for any position. A token id `>= n_rows` gives a row of NaN; an index `first + t >= n_ids`
+/// (past `tokens`) traps. `hidden` must be a whole number of blocks and `table` 16-byte
+/// aligned (both checked by the host). Grid: one block per token; block: any size; no shared
+/// memory.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn embed(
     out: *mut f32,
     table: *const u8,
     ty: u32,
     tokens: *const u32,
+    pos: *const u32,
+    n_ids: u32,
     n_rows: u32,
     hidden: u32,
 ) {
-    let token = unsafe { *tokens.add(block() as usize) };
+    let first = if pos.is_null() { 0 } else { unsafe { *pos } };
+    let at = first as u64 + block() as u64;
+    if at >= n_ids as u64 {
+        unsafe { core::arch::nvptx::trap() };
+    }
+    let token = unsafe { *tokens.add(at as usize) };
     let out = unsafe { out.add(block() as usize * hidden as usize) };
     let (elems, bytes) = block_shape(ty);
     // Wrapping: an out-of-range token's row is never read.

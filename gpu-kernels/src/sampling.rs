@@ -63,24 +63,106 @@ pub unsafe extern "gpu-kernel" fn sample(
     seed: u64,
     step: u64,
 ) {
+    let token = choose(
+        logits,
+        n,
+        recent,
+        window,
+        penalty,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed,
+        step,
+    );
+    if thread() == 0 {
+        unsafe { *out = token };
+    }
+}
+
+/// `sample` for a decode step with every per-step value in device memory, so that a captured
+/// CUDA graph replays it: the tokens so far are `tokens[..=pos[0]]` (the penalty looks at the
+/// last `repeat_last_n` of them) and the draw is `uniform(seed, step[0])`. The token goes to
+/// `out[0]` and to `tokens[pos[0] + 1]` (the next step's input; not written when that is past
+/// `n_tokens`, the buffer's length), then `pos[0]` and `step[0]` advance by one.
+/// `pos[0] >= n_tokens` traps. Grid, block and shared memory as `sample`.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn sample_dev(
+    out: *mut u32,
+    logits: *mut f32,
+    n: u32,
+    tokens: *mut u32,
+    n_tokens: u32,
+    pos: *mut u32,
+    step: *mut u64,
+    repeat_last_n: u32,
+    penalty: f32,
+    temperature: f32,
+    top_k: u32,
+    top_p: f32,
+    min_p: f32,
+    seed: u64,
+) {
+    let (p0, draw) = unsafe { (*pos, *step) };
+    if p0 >= n_tokens {
+        unsafe { core::arch::nvptx::trap() };
+    }
+    let window = (p0 + 1).min(repeat_last_n);
+    let recent = unsafe { tokens.add((p0 + 1 - window) as usize) };
+    let token = choose(
+        logits,
+        n,
+        recent,
+        window,
+        penalty,
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed,
+        draw,
+    );
+    // Every path of `choose` passes a barrier, so all threads have read pos and step.
+    if thread() == 0 {
+        unsafe {
+            *out = token;
+            if p0 + 1 < n_tokens {
+                *tokens.add(p0 as usize + 1) = token;
+            }
+            *pos = p0 + 1;
+            *step = draw + 1;
+        }
+    }
+}
+
+/// The token of `sample`'s steps, valid in thread 0. Every thread of the block calls it.
+#[allow(clippy::too_many_arguments)]
+fn choose(
+    logits: *mut f32,
+    n: u32,
+    recent: *const u32,
+    window: u32,
+    penalty: f32,
+    temperature: f32,
+    top_k: u32,
+    top_p: f32,
+    min_p: f32,
+    seed: u64,
+    step: u64,
+) -> u32 {
     let (t, bd) = (thread(), block_dim());
     if penalty != 1.0 && window > 0 {
         repeat_penalty(logits, n, recent, window, penalty);
     }
     if temperature == 0.0 {
         let (_, i) = scan_best(logits, n);
-        if t == 0 {
-            unsafe { *out = if i == u32::MAX { 0 } else { i } };
-        }
-        return;
+        return if i == u32::MAX { 0 } else { i };
     }
     let (kth, need_eq) = kth_key(logits, n, top_k);
     let count = gather(logits, n, kth, need_eq);
     if count == 0 {
-        if t == 0 {
-            unsafe { *out = 0 };
-        }
-        return;
+        return 0;
     }
     let sh = shared::<u32>();
     let cv = unsafe { sh.add(CAND_V) } as *mut f32;
@@ -130,7 +212,7 @@ pub unsafe extern "gpu-kernel" fn sample(
     // Steps 6 to 8 walk the sorted candidates in order, one thread, so that every running
     // sum is rounded as the CPU rounds it.
     if t != 0 {
-        return;
+        return 0;
     }
     let p = |j: u32| unsafe { *at(j) };
     let mut kept = count;
@@ -145,16 +227,14 @@ pub unsafe extern "gpu-kernel" fn sample(
         }
         kept = j;
     }
-    let pick = if kept == 0 {
-        0
-    } else {
-        let mut total = 0.0f32;
-        for j in 0..kept {
-            total += p(j);
-        }
-        unsafe { *ci.add(walk(&p, kept, uniform(seed, step) * total) as usize) }
-    };
-    unsafe { *out = pick };
+    if kept == 0 {
+        return 0;
+    }
+    let mut total = 0.0f32;
+    for j in 0..kept {
+        total += p(j);
+    }
+    unsafe { *ci.add(walk(&p, kept, uniform(seed, step) * total) as usize) }
 }
 
 /// The first `j` < `len` (not 0) at which `p(0) + ... + p(j)` reaches `mass`; `len - 1` if the

@@ -124,3 +124,22 @@ pub fn warp_max(mut v: f32) -> f32 {
 pub fn warp_broadcast(v: f32, src: u32) -> f32 {
     unsafe { shfl_idx_f32(FULL_MASK, v, src, 0x1f) }
 }
+
+unsafe extern "C" {
+    #[link_name = "llvm.nvvm.membar.gl"]
+    fn membar_gl();
+}
+
+/// CUDA's `__threadfence()`: this thread's writes before it are seen by the whole GPU before
+/// its writes after it, and its reads after it see what other threads published before their
+/// own fence and a flag (atomic) that this thread then read.
+#[inline(always)]
+pub fn threadfence() {
+    unsafe { membar_gl() }
+}
+
+/// Blocks in the grid.
+#[inline(always)]
+pub fn grid_dim() -> u32 {
+    unsafe { nvptx::_grid_dim_x() as u32 }
+}

@@ -7,12 +7,33 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use super::{BLOCK, Device, check};
 use crate::{Error, Result, cpu};
 
-/// Threads per block of the attention kernels: 16 warps, 16 query rows per prefill block.
+/// Threads per block of the prefill kernel: 16 warps, 16 query rows per block.
 const ATTN_THREADS: u32 = 512;
-/// Keys per tile of `attention_prefill` (one per lane).
+/// Keys per tile of both attention kernels (one per lane).
 const TILE_KEYS: usize = 32;
 /// The kernels keep a head's output dims in registers, four per lane.
 const MAX_HEAD_DIM: usize = 128;
+/// Key slices of the decode kernel (its grid's y). With the model's 2 kv heads that is 128
+/// blocks, about one per SM of an H100, each slice whole tiles of 32 keys: up to 2048 keys
+/// every block has one tile, at 8192 four. More slices would shorten the blocks' loops but
+/// lengthen the combine, which reads `group * slices * head_dim` partials in one block.
+const DECODE_SPLITS: usize = 64;
+/// Warps of a decode block: one per query head of its kv group, up to 8 (larger groups take
+/// several blocks; 256 threads may use all 255 registers a thread can have), at least 4 to
+/// stage the tiles.
+const DECODE_MAX_WARPS: usize = 8;
+const DECODE_MIN_WARPS: usize = 4;
+
+/// Scratch of split-K decode attention (`Device::attention`): each (head, key slice)'s partial
+/// softmax `[n_heads, DECODE_SPLITS, head_dim + 2]` and a completion count per block row. The
+/// kernel leaves the counts at zero, so one scratch serves every layer and step, one launch at
+/// a time (on the device's one stream).
+pub struct AttentionScratch {
+    partials: CudaSlice<f32>,
+    counters: CudaSlice<u32>,
+    n_heads: usize,
+    head_dim: usize,
+}
 
 /// `n` as a kernel's `u32` size, or an error naming `what`.
 fn u32_of(n: usize, what: &str) -> Result<u32> {
@@ -20,6 +41,21 @@ fn u32_of(n: usize, what: &str) -> Result<u32> {
 }
 
 impl Device {
+    /// The scratch that `attention` needs for `n_heads` query heads of `head_dim`, zeroed.
+    /// Allocate it once: `attention` allocates nothing, so that it can be captured in a graph.
+    pub fn attention_scratch(&self, n_heads: usize, head_dim: usize) -> Result<AttentionScratch> {
+        check_head_dim(head_dim)?;
+        check(n_heads > 0, "attention_scratch: n_heads")?;
+        let len = n_heads * DECODE_SPLITS * (head_dim + 2);
+        u32_of(len, "attention_scratch: partials")?;
+        Ok(AttentionScratch {
+            partials: self.zeros(len)?,
+            counters: self.zeros(n_heads)?,
+            n_heads,
+            head_dim,
+        })
+    }
+
     /// Cos/sin of NeoX RoPE's angles for positions `0..max_pos`, `[max_pos, head_dim/2, 2]`
     /// f32, computed on the host exactly as `cpu::rope_neox` computes them (see
     /// `cpu::rope_table`), so that GPU and CPU rotations agree bit for bit.
@@ -135,7 +171,9 @@ impl Device {
     /// Causal GQA attention of `q = [rows, n_heads * head_dim]`, row `t` at position
     /// `pos[0] + t` over keys `0..=pos[0] + t` of `k_cache, v_cache = [max_pos, n_kv_heads *
     /// head_dim]` (this call's keys already appended), into `out` (the shape of q). One row
-    /// runs the decode kernel, more the prefill kernel. head_dim <= 128. Twin: `cpu::attention`.
+    /// runs the split-K decode kernel, which uses `scratch` (from `attention_scratch` with the
+    /// same heads and head_dim); more rows the prefill kernel. head_dim <= 128. Nothing in the
+    /// launch depends on `pos`'s value. Twin: `cpu::attention`.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -144,16 +182,13 @@ impl Device {
         k_cache: &impl DevicePtr<f32>,
         v_cache: &impl DevicePtr<f32>,
         pos: &impl DevicePtr<u32>,
+        scratch: &mut AttentionScratch,
         rows: usize,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
-        if head_dim == 0 || head_dim > MAX_HEAD_DIM {
-            return Err(Error::Invalid(format!(
-                "attention: head_dim {head_dim} is not supported (1..={MAX_HEAD_DIM})"
-            )));
-        }
+        check_head_dim(head_dim)?;
         check(
             rows > 0
                 && n_kv_heads > 0
@@ -171,21 +206,33 @@ impl Device {
                 && k_cache.len() / kv_dim >= rows,
             "attention: shapes of pos, q, out and the caches",
         )?;
+        check(
+            scratch.n_heads == n_heads && scratch.head_dim == head_dim,
+            "attention: the scratch's heads and head_dim",
+        )?;
         u32_of(k_cache.len().max(q.len()), "attention: buffers")?;
         let max_pos = (k_cache.len() / kv_dim) as u32;
-        let (n_heads, n_kv, hd) = (n_heads as u32, n_kv_heads as u32, head_dim);
+        let hd = head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
-        let warps = (ATTN_THREADS / 32) as usize;
-        let (name, grid, shared) = if rows == 1 {
-            ("attention_decode", (n_heads, 1, 1), warps * (hd + 2))
+        let (name, grid, warps) = if rows == 1 {
+            // The group's heads, one per warp, spread evenly over as few blocks as hold them
+            // (`per_kv` as the kernel computes it).
+            let group = n_heads / n_kv_heads;
+            let warps = group
+                .div_ceil(group.div_ceil(DECODE_MAX_WARPS))
+                .max(DECODE_MIN_WARPS);
+            let per_kv = group.div_ceil(warps);
+            let grid = (n_kv_heads * per_kv, DECODE_SPLITS);
+            ("attention_decode", grid, warps)
         } else {
-            let blocks = rows.div_ceil(warps) as u32;
-            let shared = TILE_KEYS * (hd + 1) + TILE_KEYS * hd + warps * hd;
-            ("attention_prefill", (blocks, n_heads, 1), shared)
+            let warps = ATTN_THREADS as usize / 32;
+            ("attention_prefill", (rows.div_ceil(warps), n_heads), warps)
         };
+        // K and V tiles, the queries, and the decode kernel's last-block flag.
+        let shared = TILE_KEYS * (hd + 1) + TILE_KEYS * hd + warps * hd + 1;
         let cfg = LaunchConfig {
-            grid_dim: grid,
-            block_dim: (ATTN_THREADS, 1, 1),
+            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            block_dim: (32 * warps as u32, 1, 1),
             shared_mem_bytes: (shared * 4) as u32,
         };
         let stream = self.stream();
@@ -194,10 +241,14 @@ impl Device {
         let (kc, _k) = k_cache.device_ptr(stream);
         let (vc, _v) = v_cache.device_ptr(stream);
         let (pp, _p) = pos.device_ptr(stream);
-        let (rows, hd) = (rows as u32, hd as u32);
+        let (sp, _s) = scratch.partials.device_ptr_mut(stream);
+        let (cp, _c) = scratch.counters.device_ptr_mut(stream);
+        let (rows, n_heads, n_kv, hd) = (rows as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
         let mut l = stream.launch_builder(self.kernel(name));
         l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
-        if rows > 1 {
+        if rows == 1 {
+            l.arg(&sp).arg(&cp);
+        } else {
             l.arg(&rows);
         }
         l.arg(&n_heads)
@@ -205,11 +256,23 @@ impl Device {
             .arg(&hd)
             .arg(&max_pos)
             .arg(&scale);
-        // SAFETY: parameters (f32*, const f32*, const f32*, const f32*, const u32*, [u32 rows,]
-        // u32, u32, u32, u32, f32) as the kernels declare them. q and out hold rows * n_heads *
-        // head_dim; the kernels read cache rows 0..pos[0] + rows, below max_pos or they trap;
-        // the block has 512 >= head_dim threads and the shared memory the kernels' docs ask.
+        // SAFETY: parameters (f32*, const f32*, const f32*, const f32*, const u32*, then
+        // f32*, u32* (decode) or u32 (prefill), then u32, u32, u32, u32, f32) as the kernels
+        // declare them. q and out hold rows * n_heads * head_dim; the kernels read cache rows
+        // 0..pos[0] + rows, below max_pos or they trap. Decode: partials hold [n_heads,
+        // DECODE_SPLITS (the grid's y), head_dim + 2] and counters n_heads >= the grid's x
+        // (the scratch's shape is checked); prefill: 512 threads. Shared memory as the
+        // kernels' docs ask.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
+}
+
+fn check_head_dim(head_dim: usize) -> Result<()> {
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+        return Err(Error::Invalid(format!(
+            "attention: head_dim {head_dim} is not supported (1..={MAX_HEAD_DIM})"
+        )));
+    }
+    Ok(())
 }

@@ -12,9 +12,12 @@ use cudarc::driver::{
 use crate::{Error, Result};
 
 mod attention;
+pub mod decode;
 mod matmul;
 pub mod model;
 mod sampling;
+
+pub use attention::AttentionScratch;
 
 /// Threads per block of the row-per-block and row-per-warp kernels.
 const BLOCK: u32 = 256;

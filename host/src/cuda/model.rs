@@ -6,10 +6,12 @@
 //! `WeightFormat::F16`, dequantized to f16 at load; the embedding table in the file's type;
 //! norms and biases f32. The KV cache and every activation buffer are allocated at load, so
 //! nothing is allocated per token.
-use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::f16;
 
-use super::Device;
+use super::decode::Weight;
+use super::{AttentionScratch, Device};
 use crate::config::Config;
 use crate::gguf::Gguf;
 use crate::quant::{GgmlType, dequantize_f16, dequantize_to_vec};
@@ -53,6 +55,14 @@ impl Matrix {
 }
 
 impl Matrix {
+    /// The matrix as the fused decode kernels take it.
+    fn weight(&self) -> Weight<'_> {
+        match self {
+            Matrix::Native { bytes, ty } => Weight::Raw(bytes, *ty),
+            Matrix::F16(w) => Weight::F16(w),
+        }
+    }
+
     fn bytes(&self) -> usize {
         match self {
             Matrix::Native { bytes, .. } => bytes.len(),
@@ -116,7 +126,21 @@ struct Buffers {
     /// Position of the first token of the current step, read by RoPE, the cache and attention.
     pos: CudaSlice<u32>,
     next: CudaSlice<u32>,
+    /// The decode attention's partials and counts, shared by every layer.
+    attn: AttentionScratch,
+    /// Draws of the sampler so far: the sampler's `step`, advanced on the device.
+    step: CudaSlice<u64>,
 }
+
+/// One decode step captured as a CUDA graph, with the sampling it was captured for.
+struct DecodeGraph {
+    sampling: SamplingParams,
+    graph: CudaGraph,
+}
+
+// SAFETY: a CUDA graph may be launched from any thread (cudarc binds the context first); the
+// model that owns it is used by one thread at a time (`&mut self`), so it is never shared.
+unsafe impl Send for DecodeGraph {}
 
 pub struct CudaModel {
     pub cfg: Config,
@@ -133,6 +157,11 @@ pub struct CudaModel {
     max_ctx: usize,
     /// Free device memory before the first allocation, to tell how much the model took.
     free_before: usize,
+    /// The decode step as a CUDA graph, captured at the first decode step.
+    graph: Option<DecodeGraph>,
+    /// The device holds `tokens[pos]`, `pos` and `step` for the next decode step: the last
+    /// token was sampled there and is this one.
+    device_next: Option<u32>,
 }
 
 impl CudaModel {
@@ -191,6 +220,8 @@ impl CudaModel {
             tokens: dev.zeros(max_ctx)?,
             pos: dev.zeros(1)?,
             next: dev.zeros(1)?,
+            attn: dev.attention_scratch(cfg.n_heads, cfg.head_dim)?,
+            step: dev.zeros(1)?,
         };
         Ok(CudaModel {
             token_embd: dev.upload(g.tensor_data(embd))?,
@@ -203,6 +234,8 @@ impl CudaModel {
             pos: 0,
             max_ctx,
             free_before,
+            graph: None,
+            device_next: None,
             cfg,
             dev,
         })
@@ -247,6 +280,7 @@ impl CudaModel {
     /// Empties the KV cache, for a new sequence.
     pub fn reset(&mut self) {
         self.pos = 0;
+        self.device_next = None;
     }
 
     /// Runs `tokens` after the cache's end and returns the logits of the last token, or of every
@@ -269,22 +303,153 @@ impl CudaModel {
     }
 
     /// Runs `tokens` and picks the next token on the GPU, so that only its id crosses to the
-    /// host. `step` numbers the draws of the sampler.
+    /// host. `step` numbers the draws of the sampler. One token after a token the GPU picked
+    /// is a decode step: the captured CUDA graph, replayed. Anything else is a prefill.
     pub fn next_token(&mut self, tokens: &[u32], p: &SamplingParams, step: u64) -> Result<u32> {
         if !Device::can_sample(p) {
+            self.device_next = None;
             let mut logits = self.forward(tokens, false)?;
             let recent = self.dev.download(&self.buf.tokens.slice(..self.pos))?;
             return Ok(crate::sampling::sample(&mut logits, &recent, p, step));
         }
-        for chunk in tokens.chunks(MAX_BATCH) {
-            self.forward_chunk(chunk, false)?;
+        if tokens.len() == 1 && self.device_next == Some(tokens[0]) && self.pos < self.max_ctx {
+            self.decode(p)?;
+            self.pos += 1;
+        } else {
+            for chunk in tokens.chunks(MAX_BATCH) {
+                self.forward_chunk(chunk, false)?;
+            }
+            // The sampler reads the position of the last token run and the draw index.
+            let (dev, b) = (&self.dev, &mut self.buf);
+            dev.copy_to(&mut b.pos, &[self.pos as u32 - 1])?;
+            dev.copy_to(&mut b.step, &[step])?;
+            let mut logits = b.logits.slice_mut(..self.cfg.vocab);
+            dev.sample_dev(
+                &mut b.next,
+                &mut logits,
+                &mut b.tokens,
+                &mut b.pos,
+                &mut b.step,
+                p,
+            )?;
         }
-        let b = &mut self.buf;
-        let recent = b.tokens.slice(..self.pos);
-        let mut logits = b.logits.slice_mut(..self.cfg.vocab);
-        self.dev
-            .sample(&mut b.next, &mut logits, &recent, self.pos, p, step)?;
-        Ok(self.dev.download(&b.next)?[0])
+        let next = self.dev.download(&self.buf.next)?[0];
+        self.device_next = Some(next);
+        Ok(next)
+    }
+
+    /// One decode step through the CUDA graph, captured on first use and again when the
+    /// sampling changes.
+    fn decode(&mut self, p: &SamplingParams) -> Result<()> {
+        if self.graph.as_ref().is_none_or(|g| g.sampling != *p) {
+            self.graph = None;
+            let stream = self.dev.stream().clone();
+            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+            let launched = self.decode_step(p);
+            let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+            launched?;
+            let graph = graph
+                .ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
+            self.graph = Some(DecodeGraph {
+                sampling: p.clone(),
+                graph,
+            });
+        }
+        Ok(self
+            .graph
+            .as_ref()
+            .expect("captured above")
+            .graph
+            .launch()?)
+    }
+
+    /// The launches of one decode step, all reading the position and the token from the
+    /// device: the twin of the CPU forward pass for one token, with its steps fused.
+    fn decode_step(&mut self, p: &SamplingParams) -> Result<()> {
+        let c = &self.cfg;
+        let (hidden, eps) = (c.hidden, c.rms_eps);
+        let (dev, b) = (&self.dev, &mut self.buf);
+
+        // Token embedding of tokens[pos].
+        let mut x = b.x.slice_mut(..hidden);
+        dev.embed_at(
+            &mut x,
+            &self.token_embd,
+            self.token_embd_ty,
+            &b.tokens,
+            &b.pos,
+            hidden,
+        )?;
+
+        for w in &mut self.layers {
+            // Attention block: norm, q/k/v with bias, RoPE and the cache append in one kernel;
+            // attention; the output projection added to the residual.
+            let qkv = [
+                (w.wq.weight(), Some(&w.bq)),
+                (w.wk.weight(), Some(&w.bk)),
+                (w.wv.weight(), Some(&w.bv)),
+            ];
+            let mut q = b.q.slice_mut(..hidden);
+            dev.attn_qkv(
+                &mut q,
+                &mut w.k_cache,
+                &mut w.v_cache,
+                &x,
+                &w.attn_norm,
+                eps,
+                qkv,
+                &b.pos,
+                &self.rope,
+                c.n_heads,
+                c.n_kv_heads,
+            )?;
+            let mut att = b.att.slice_mut(..hidden);
+            dev.attention(
+                &mut att,
+                &q,
+                &w.k_cache,
+                &w.v_cache,
+                &b.pos,
+                &mut b.attn,
+                1,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+            )?;
+            dev.gemv_residual(&mut x, w.wo.weight(), None, &att)?;
+
+            // Feed-forward block: norm, gate and up with SiLU·mul in one kernel; the down
+            // projection added to the residual.
+            let mut h = b.gate.slice_mut(..c.ffn);
+            dev.ffn_gate_up(
+                &mut h,
+                &x,
+                &w.ffn_norm,
+                eps,
+                w.w_gate.weight(),
+                w.w_up.weight(),
+            )?;
+            dev.gemv_residual(&mut x, w.w_down.weight(), None, &h)?;
+        }
+
+        // Final norm and output projection, then the next token, written to tokens[pos + 1].
+        let mut logits = b.logits.slice_mut(..c.vocab);
+        dev.logits(
+            &mut logits,
+            &x,
+            &self.output_norm,
+            eps,
+            self.output.weight(),
+            None,
+        )?;
+        dev.sample_dev(
+            &mut b.next,
+            &mut logits,
+            &mut b.tokens,
+            &mut b.pos,
+            &mut b.step,
+            p,
+        )
     }
 
     /// One forward step over at most `MAX_BATCH` tokens; leaves the logits of the last token
@@ -383,6 +548,7 @@ impl CudaModel {
                 &w.k_cache,
                 &w.v_cache,
                 &b.pos,
+                &mut b.attn,
                 n,
                 c.n_heads,
                 c.n_kv_heads,

@@ -1,6 +1,6 @@
 //! Launch helpers for token choice: greedy argmax and the full sampler, both leaving the token
 //! id on the device.
-use cudarc::driver::{DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::{Device, check};
 use crate::sampling::SamplingParams;
@@ -58,47 +58,19 @@ impl Device {
         p: &SamplingParams,
         step: u64,
     ) -> Result<()> {
-        if !Self::can_sample(p) {
-            return Err(Error::Invalid(format!(
-                "sample on the GPU needs temperature 0 or top_k in 1..={}, got temperature {} and top_k {}",
-                Self::MAX_TOP_K,
-                p.temperature,
-                p.top_k
-            )));
-        }
+        check_can_sample(p)?;
         let n = logits.len();
         check(
             out.len() >= 1 && n <= u32::MAX as usize && n_recent <= recent.len(),
             "sample: shapes",
         )?;
-        // The penalty's bitmap of `n` bits shares the block's shared memory.
-        let shared_bytes = 4 * SAMPLE_SHARED_WORDS.max(n.div_ceil(32));
-        if shared_bytes > MAX_SHARED_BYTES {
-            return Err(Error::Invalid(format!(
-                "sample on the GPU handles vocabularies up to {} tokens, got {n}",
-                MAX_SHARED_BYTES * 8
-            )));
-        }
-        let f = self.kernel("sample");
-        // A power of two up to 1024 threads, fewer if the kernel's registers allow fewer.
-        let most = (f.max_threads_per_block()? as u32).min(1024);
-        let threads = if most >= 64 { 1 << most.ilog2() } else { 0 };
-        if threads == 0 {
-            return Err(Error::Cuda(format!(
-                "the sample kernel runs at most {most} threads per block, it needs 64"
-            )));
-        }
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: shared_bytes as u32,
-        };
+        let (f, cfg) = self.sample_launch("sample", n)?;
         let window = n_recent.min(p.repeat_last_n);
         let (o, _o) = out.device_ptr_mut(self.stream());
         let (lp, _l) = logits.device_ptr_mut(self.stream());
         let (r, _r) = recent.device_ptr(self.stream());
         let r = r + 4 * (n_recent - window) as u64;
-        let (n, window, top_k) = (n as u32, window as u32, p.top_k.min(Self::MAX_TOP_K) as u32);
+        let (n, window, top_k) = (n as u32, window as u32, top_k_arg(p));
         let mut l = self.stream().launch_builder(f);
         l.arg(&o).arg(&lp).arg(&n).arg(&r).arg(&window);
         l.arg(&p.repeat_penalty).arg(&p.temperature).arg(&top_k);
@@ -109,4 +81,106 @@ impl Device {
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
+
+    /// `sample` for a decode step whose position and draw live in device memory, so that a
+    /// captured CUDA graph replays it: the tokens so far are `tokens[..=pos[0]]` and the draw
+    /// is `uniform(seed, step[0])`. The token goes to `out[0]` and to `tokens[pos[0] + 1]`
+    /// (the next step's input, if the buffer holds it), then `pos[0]` and `step[0]` advance by
+    /// one. Picks the token `sample(out, logits, tokens, pos[0] + 1, p, step[0])` would.
+    /// `pos[0] >= tokens.len()` makes the kernel trap (an error at the next synchronisation).
+    pub fn sample_dev(
+        &self,
+        out: &mut impl DevicePtrMut<u32>,
+        logits: &mut impl DevicePtrMut<f32>,
+        tokens: &mut impl DevicePtrMut<u32>,
+        pos: &mut impl DevicePtrMut<u32>,
+        step: &mut impl DevicePtrMut<u64>,
+        p: &SamplingParams,
+    ) -> Result<()> {
+        check_can_sample(p)?;
+        let n = logits.len();
+        check(
+            out.len() >= 1
+                && pos.len() >= 1
+                && step.len() >= 1
+                && tokens.len() >= 1
+                && n <= u32::MAX as usize
+                && tokens.len() <= u32::MAX as usize,
+            "sample_dev: shapes",
+        )?;
+        let (f, cfg) = self.sample_launch("sample_dev", n)?;
+        let (n, n_tokens, top_k) = (n as u32, tokens.len() as u32, top_k_arg(p));
+        let last_n = p.repeat_last_n.min(u32::MAX as usize) as u32;
+        let stream = self.stream();
+        let (o, _o) = out.device_ptr_mut(stream);
+        let (lp, _l) = logits.device_ptr_mut(stream);
+        let (tp, _t) = tokens.device_ptr_mut(stream);
+        let (pp, _p) = pos.device_ptr_mut(stream);
+        let (sp, _s) = step.device_ptr_mut(stream);
+        let mut l = stream.launch_builder(f);
+        l.arg(&o)
+            .arg(&lp)
+            .arg(&n)
+            .arg(&tp)
+            .arg(&n_tokens)
+            .arg(&pp)
+            .arg(&sp);
+        l.arg(&last_n)
+            .arg(&p.repeat_penalty)
+            .arg(&p.temperature)
+            .arg(&top_k);
+        l.arg(&p.top_p).arg(&p.min_p).arg(&p.seed);
+        // SAFETY: parameters (u32*, f32*, u32, u32*, u32, u32*, u64*, u32, f32, f32, u32, f32,
+        // f32, u64); it reads and writes n logits, reads tokens[..=pos[0]] (below n_tokens or
+        // it traps), writes tokens[pos[0] + 1] only below n_tokens, out[0], pos[0] and
+        // step[0]; shared memory as documented.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The function and launch shape of the sampling kernel `name` over `n` logits: one block
+    /// of a power of two up to 1024 threads, with the candidates and the penalty's bitmap of
+    /// `n` bits in shared memory.
+    fn sample_launch(&self, name: &str, n: usize) -> Result<(&CudaFunction, LaunchConfig)> {
+        let shared_bytes = 4 * SAMPLE_SHARED_WORDS.max(n.div_ceil(32));
+        if shared_bytes > MAX_SHARED_BYTES {
+            return Err(Error::Invalid(format!(
+                "sample on the GPU handles vocabularies up to {} tokens, got {n}",
+                MAX_SHARED_BYTES * 8
+            )));
+        }
+        let f = self.kernel(name);
+        // A power of two up to 1024 threads, fewer if the kernel's registers allow fewer.
+        let most = (f.max_threads_per_block()? as u32).min(1024);
+        let threads = if most >= 64 { 1 << most.ilog2() } else { 0 };
+        if threads == 0 {
+            return Err(Error::Cuda(format!(
+                "the {name} kernel runs at most {most} threads per block, it needs 64"
+            )));
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (1, 1, 1),
+            block_dim: (threads, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        };
+        Ok((f, cfg))
+    }
+}
+
+/// An error unless `Device::can_sample(p)`.
+fn check_can_sample(p: &SamplingParams) -> Result<()> {
+    if Device::can_sample(p) {
+        return Ok(());
+    }
+    Err(Error::Invalid(format!(
+        "sample on the GPU needs temperature 0 or top_k in 1..={}, got temperature {} and top_k {}",
+        Device::MAX_TOP_K,
+        p.temperature,
+        p.top_k
+    )))
+}
+
+/// The kernels' `top_k` (unused when greedy, where `p.top_k` may be anything).
+fn top_k_arg(p: &SamplingParams) -> u32 {
+    p.top_k.min(Device::MAX_TOP_K) as u32
 }

@@ -325,7 +325,9 @@ fn matmul_q_matches_cpu_on_random_blocks() {
 
 /// With one-hot tokens `x = e_k` every product but one is `w·0 = 0`, so `y[o]` is the
 /// dequantized weight `w[o, k]` itself: the kernels' dequantization must equal
-/// `quant::dequantize` exactly (compared as floats: a weight of -0 may come out +0).
+/// `quant::dequantize` exactly (compared as floats: a weight of -0 may come out +0). Exactly
+/// in the GEMV; in the tensor-core GEMM up to its f16 split of the weight, `hi + lo / 2^11`,
+/// within max(2^-22·|w|, 2^-36) of it, and the final rounding of that sum (2^-24·|w|).
 #[test]
 fn matmul_q_one_hot_tokens_give_the_exact_weights() {
     let Some(dev) = gpu() else { return };
@@ -354,7 +356,12 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
             let got = dev.download(&y).unwrap();
             for (k, o) in (0..n_in).flat_map(|k| (0..n_out).map(move |o| (k, o))) {
                 let (g, want) = (got[k * n_out + o], w32[o * n_in + k]);
-                assert!(g == want, "gemm {} [{o}, {k}]: {g} vs {want}", ty.name());
+                let tol = want.abs() * 2f32.powi(-21) + 2f32.powi(-36);
+                assert!(
+                    (g - want).abs() <= tol,
+                    "gemm {} [{o}, {k}]: {g} vs {want}",
+                    ty.name()
+                );
             }
             // The GEMV for a few tokens: the first and last element of groups and blocks.
             for k in [0, 1, 7, 8, 31, 32, 95, n_in - 1]
@@ -372,7 +379,7 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
                 }
             }
             println!(
-                "matmul_q {} 33x{n_in}: one-hot tokens give the exact weights",
+                "matmul_q {} 33x{n_in}: one-hot tokens give the weights (exactly in the GEMV)",
                 ty.name()
             );
         }
@@ -551,7 +558,8 @@ fn random_table(ty: GgmlType, n_rows: usize, hidden: usize, rng: &mut Rng) -> Ve
 
 /// `embed` of `tokens` against `quant::dequantize` of the same rows: bit-identical (the
 /// kernels do the CPU's arithmetic in its order, and the PTX has no FMA that could round
-/// differently). Returns how many elements were compared.
+/// differently); likewise `embed_at` of each position, its id read at `tokens[pos[0]]` on
+/// the device. Returns how many elements were compared.
 fn check_embed(
     dev: &Device,
     table: &[u8],
@@ -579,6 +587,20 @@ fn check_embed(
             ty.name(),
             tokens[i / hidden],
             i % hidden
+        );
+    }
+    let mut row = dev.zeros::<f32>(hidden).unwrap();
+    for (t, want) in want.chunks_exact(hidden).enumerate() {
+        let posd = dev.upload(&[t as u32]).unwrap();
+        dev.embed_at(&mut row, &td, ty, &kd, &posd, hidden).unwrap();
+        let got = dev.download(&row).unwrap();
+        assert!(
+            got.iter()
+                .zip(want)
+                .all(|(g, w)| g.to_bits() == w.to_bits()),
+            "embed_at {what} {}: position {t} (token {})",
+            ty.name(),
+            tokens[t]
         );
     }
     got.len()
@@ -727,4 +749,492 @@ fn add_matches_cpu() {
         .add(&mut short, &dev.zeros::<f32>(4).unwrap())
         .unwrap_err();
     assert_eq!(err.to_string(), "add: lengths do not match");
+}
+
+/// The GEMM on tensor cores splits every f32 operand `v` into f16 halves `hi + lo / 2^11`,
+/// which carry `v` to within max(2^-22·|v|, 2^-36), and leaves out the `lo·lo` product
+/// (< 2^-22 of `|x·w|`): each product is off by at most ~3·2^-22 of `|x·w|`, with random signs
+/// (round to nearest), plus the f32 sums of both sides. On such data (the tests' random
+/// activations) the error stays well below `MMA_TOL` of sum|x·w| (measured figures are
+/// printed; the CPU emulation below gives ~5e-8, ~2e-7 with truncating MMA sums).
+const MMA_TOL: f32 = 2e-6;
+
+/// The worst error of the tensor-core GEMM's `got(token, output)` at the outputs `cols` (all
+/// of them, or a sample of a vocabulary-sized matrix, whose full CPU product is slow) against
+/// `cpu::matmul` of `x` and the weights `w32` (with `bias`): over sum|x·w| + |bias| (printed),
+/// and over the bound `MMA_TOL·(sum|x·w| + |bias|) + 2^-35·(sum|x| + sum|w|)`, whose second
+/// term is the split's absolute error (2^-36 per product, doubled) where an operand is below
+/// f16's normal range (|v| < 2^-14); the bound holds where the second figure is <= 1.
+fn mma_err(
+    got: impl Fn(usize, usize) -> f32,
+    x: &[f32],
+    w32: &[f32],
+    bias: &[f32],
+    n_in: usize,
+    cols: &[usize],
+) -> (f32, f32) {
+    let rows = x.len() / n_in;
+    let w_cols: Vec<f32> = cols
+        .iter()
+        .flat_map(|&o| &w32[o * n_in..(o + 1) * n_in])
+        .copied()
+        .collect();
+    let b_cols: Vec<f32> = cols.iter().map(|&o| bias[o]).collect();
+    let mut want = vec![0.0; rows * cols.len()];
+    cpu::matmul(&mut want, x, &w_cols, n_in, Some(&b_cols));
+    let mut mag = vec![0.0; rows * cols.len()];
+    cpu::matmul(&mut mag, &abs(x), &abs(&w_cols), n_in, Some(&abs(&b_cols)));
+    let l1 = |v: &[f32]| -> Vec<f32> {
+        v.chunks_exact(n_in)
+            .map(|r| r.iter().map(|v| v.abs()).sum())
+            .collect()
+    };
+    let (x_l1, w_l1) = (l1(x), l1(&w_cols));
+    let (mut rel, mut of_bound) = (0.0f32, 0.0f32);
+    for (t, x_l1) in x_l1.iter().enumerate() {
+        for (j, &o) in cols.iter().enumerate() {
+            let i = t * cols.len() + j;
+            let err = (got(t, o) - want[i]).abs();
+            let bound = MMA_TOL * mag[i] + 2f32.powi(-35) * (x_l1 + w_l1[j]);
+            // NaN (an output never written or read out of bounds) must fail too.
+            for (worst, e) in [
+                (&mut rel, err / mag[i].max(1e-30)),
+                (&mut of_bound, err / bound.max(1e-38)),
+            ] {
+                *worst = if e.is_nan() {
+                    f32::INFINITY
+                } else {
+                    worst.max(e)
+                };
+            }
+        }
+    }
+    (rel, of_bound)
+}
+
+/// Prefill-sized products (512 and 513 tokens: whole and cut-short 64-row tiles) on every
+/// distinct (type, shape) of the model's matrices, with the matrix's own bias where it has one.
+#[test]
+fn matmul_q_prefill_on_real_weights() {
+    let Some(dev) = gpu() else { return };
+    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
+    let mut rng = Rng::new(21);
+    let mut seen = HashSet::new();
+    for t in g.tensors().iter().filter(|t| t.shape.len() == 2) {
+        if !seen.insert((t.ty, t.shape.clone())) {
+            continue;
+        }
+        let (n_in, n_out) = (t.shape[0] as usize, t.shape[1] as usize);
+        let data = g.tensor_data(t);
+        let w32 = quant::dequantize_to_vec(t.ty, data).unwrap();
+        let bias = match g.tensor(&t.name.replace(".weight", ".bias")) {
+            Ok(b) => quant::dequantize_to_vec(b.ty, g.tensor_data(b)).unwrap(),
+            Err(_) => rng.vec(n_out),
+        };
+        // Every output, or for the vocabulary every 61st and the last (the CPU's share).
+        let cols: Vec<usize> = if n_out > 100_000 {
+            (0..n_out).step_by(61).chain([n_out - 1]).collect()
+        } else {
+            (0..n_out).collect()
+        };
+        let gpu = q_matmul(&dev, data, t.ty, n_in, n_out, 0);
+        for rows in [512, 513] {
+            let x = rng.vec(rows * n_in);
+            let y = gpu(&x, Some(&bias), rows);
+            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w32, &bias, n_in, &cols);
+            let what = format!(
+                "matmul_q {} ({}) rows={rows} {n_out}x{n_in}",
+                t.name,
+                t.ty.name()
+            );
+            println!("{what}: max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)");
+            assert!(of_bound <= 1.0, "{what}: {err}");
+        }
+    }
+}
+
+/// Activations far from 1: large ones (|x| up to 1e3, as after some of the model's layers),
+/// tiny ones (1e-6: `hi` is then an f16 subnormal, and `lo`, scaled by 2^11, carries the
+/// rest), rows of each kind side by side, and values beyond f16's range (65504), which send
+/// their 64×64 tiles to the f32 loop. The weights: the model's attn_q (q5_0) and the same
+/// rounded to f16 (no `lo` half).
+#[test]
+fn matmul_large_tiny_and_out_of_range_activations() {
+    let Some(dev) = gpu() else { return };
+    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
+    let t = g.tensor("blk.0.attn_q.weight").unwrap();
+    let (n_in, n_out) = (t.shape[0] as usize, t.shape[1] as usize);
+    let data = g.tensor_data(t);
+    let w32 = quant::dequantize_to_vec(t.ty, data).unwrap();
+    let w16 = to_f16(&w32);
+    let w16_32: Vec<f32> = w16.iter().map(|v| v.to_f32()).collect();
+    let mut rng = Rng::new(22);
+    // No bias, which would hide the errors of the tiny products.
+    let bias = vec![0.0; n_out];
+    let cols: Vec<usize> = (0..n_out).collect();
+    let rows = 200;
+    let scaled =
+        |rng: &mut Rng, s: f32| -> Vec<f32> { rng.vec(n_in).iter().map(|v| v * s).collect() };
+    let mut cases: Vec<(&str, Vec<f32>)> = Vec::new();
+    for (what, s) in [("|x| ~ 1e3", 1e3f32), ("|x| ~ 1e-6", 1e-6)] {
+        cases.push((what, (0..rows).flat_map(|_| scaled(&mut rng, s)).collect()));
+    }
+    let mixed = (0..rows)
+        .flat_map(|r| scaled(&mut rng, [1e3, 1e-6, 1.0, 3e4][r % 4]))
+        .collect();
+    cases.push(("rows of 1e3, 1e-6, 1, 3e4", mixed));
+    // One element per row beyond f16 (rows 0-63 only, so the other tiles stay on tensor
+    // cores), one far beyond.
+    let mut big = rng.vec(rows * n_in);
+    for r in 0..64 {
+        big[r * n_in + (r * 37) % n_in] = if r == 5 { 3e30 } else { 7e4 };
+    }
+    cases.push(("beyond f16 in rows 0-63", big));
+    let gpus = [
+        ("q5_0", q_matmul(&dev, data, t.ty, n_in, n_out, 0), &w32),
+        ("f16", f16_matmul(&dev, &w16, n_in, n_out), &w16_32),
+    ];
+    for (wname, gpu, w) in &gpus {
+        for (what, x) in &cases {
+            let y = gpu(x, Some(&bias), rows);
+            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], x, w, &bias, n_in, &cols);
+            println!(
+                "matmul {wname} attn_q rows={rows}, {what}: max err / sum|x*w| = {err:.2e} \
+                 ({of_bound:.2} of the bound)"
+            );
+            assert!(of_bound <= 1.0, "matmul {wname}, {what}: {err}");
+        }
+    }
+}
+
+/// A CPU emulation of the tensor-core GEMM tile (`gemm_mma`, gpu-kernels/src/matmul.rs), lane
+/// by lane: the staging threads' split halves stored at the kernel's swizzled offsets,
+/// `ldmatrix` fed each lane's row address, and `mma.sync` taking its fragments as the PTX ISA
+/// lays them out (section "Matrix Fragments for mma.m16n8k16 with floating point type"), which
+/// is written here independently of the kernel's address math. A layout mistake in that math
+/// makes the products garbage.
+mod emulation {
+    use half::f16;
+    use std::array;
+
+    const TILE: usize = 64;
+    const STEP: usize = 32;
+    const LO_SCALE: f32 = 2048.0;
+    const TILE_BYTES: usize = 64 * 64;
+    const STAGE_BYTES: usize = 4 * TILE_BYTES;
+    const OUT_STRIDE: usize = TILE + 8;
+
+    /// How an emulated `mma.sync` rounds `c + sum of 16 exact products` to f32.
+    #[derive(Clone, Copy, Debug)]
+    pub enum Rounding {
+        /// Exactly, then to nearest.
+        Nearest,
+        /// Each term cut toward zero to 24 bits below the largest term's leading bit, the
+        /// sum toward zero: coarser than what has been measured on NVIDIA's tensor cores,
+        /// as a worst case.
+        Truncating,
+    }
+
+    fn chunk_at(r: usize, c: usize) -> usize {
+        64 * r + 16 * (c ^ (r / 2 % 4))
+    }
+
+    fn split(v: f32) -> (u16, u16) {
+        let hi = f16::from_f32(v);
+        let lo = f16::from_f32((v - hi.to_f32()) * LO_SCALE);
+        (hi.to_bits(), lo.to_bits())
+    }
+
+    fn put(smem: &mut [u8], at: usize, h: u16) {
+        smem[at..at + 2].copy_from_slice(&h.to_le_bytes());
+    }
+
+    /// `ldmatrix .x4`: lane `l` gives the row address `at[l]`; word `i` of lane `l` is bytes
+    /// `4·(l % 4)..+4` of the row that lane `8i + l / 4` gave.
+    fn ldmatrix4(smem: &[u8], at: [usize; 32]) -> [[u32; 4]; 32] {
+        array::from_fn(|l| {
+            array::from_fn(|i| {
+                let a = at[8 * i + l / 4] + 4 * (l % 4);
+                u32::from_le_bytes(smem[a..a + 4].try_into().unwrap())
+            })
+        })
+    }
+
+    fn round(terms: &[f64], rounding: Rounding) -> f32 {
+        let exact: f64 = terms.iter().sum();
+        if !exact.is_finite() {
+            return exact as f32;
+        }
+        match rounding {
+            Rounding::Nearest => exact as f32,
+            Rounding::Truncating => {
+                let lead = |t: f64| ((t.to_bits() >> 52) & 0x7ff) as i32 - 1023;
+                let Some(top) = terms.iter().filter(|t| **t != 0.0).map(|t| lead(*t)).max() else {
+                    return 0.0;
+                };
+                let q = 2f64.powi(top - 23);
+                let s: f64 = terms.iter().map(|t| (t / q).trunc() * q).sum();
+                let f = s as f32;
+                if (f as f64).abs() > s.abs() {
+                    f32::from_bits(f.to_bits() - 1)
+                } else {
+                    f
+                }
+            }
+        }
+    }
+
+    /// `d += a·b` on one m16n8k16 tile, the fragments as the PTX ISA lays them out: with
+    /// `g = lane / 4`, `c = lane % 4`, a's words 0-3 hold A[g][2c..], A[g+8][2c..],
+    /// A[g][2c+8..], A[g+8][2c+8..]; b's words B[2c..][g], B[2c+8..][g]; d's elements
+    /// D[g][2c], D[g][2c+1], D[g+8][2c], D[g+8][2c+1] (the lower index in the low half).
+    fn mma(d: &mut [[f32; 4]; 32], a: &[[u32; 4]; 32], b: &[[u32; 2]; 32], rounding: Rounding) {
+        let h = |w: u32, i: usize| f16::from_bits((w >> (16 * i)) as u16).to_f64();
+        let (mut am, mut bm, mut cm) = ([[0f64; 16]; 16], [[0f64; 8]; 16], [[0f32; 8]; 16]);
+        for l in 0..32 {
+            let (g, c) = (l / 4, l % 4);
+            for i in 0..2 {
+                am[g][2 * c + i] = h(a[l][0], i);
+                am[g + 8][2 * c + i] = h(a[l][1], i);
+                am[g][2 * c + 8 + i] = h(a[l][2], i);
+                am[g + 8][2 * c + 8 + i] = h(a[l][3], i);
+                bm[2 * c + i][g] = h(b[l][0], i);
+                bm[2 * c + 8 + i][g] = h(b[l][1], i);
+                cm[g][2 * c + i] = d[l][i];
+                cm[g + 8][2 * c + i] = d[l][2 + i];
+            }
+        }
+        let dm: [[f32; 8]; 16] = array::from_fn(|m| {
+            array::from_fn(|n| {
+                let mut terms = [0f64; 17];
+                terms[0] = cm[m][n] as f64;
+                for k in 0..16 {
+                    terms[1 + k] = am[m][k] * bm[k][n];
+                }
+                round(&terms, rounding)
+            })
+        });
+        for (l, d) in d.iter_mut().enumerate() {
+            let (g, c) = (l / 4, l % 4);
+            *d = [
+                dm[g][2 * c],
+                dm[g][2 * c + 1],
+                dm[g + 8][2 * c],
+                dm[g + 8][2 * c + 1],
+            ];
+        }
+    }
+
+    /// One warp's sums: `[m16 tile i][n8 tile j]`, fragments of the 32 lanes.
+    type Sums = [[[[f32; 4]; 32]; 4]; 2];
+
+    /// `y = x·wᵀ + bias` (`rows × n_out`) by `gemm_mma`'s algorithm on the weights `w` as
+    /// `load8` gives them (f32; `w_f16`: f16 values, stored without `lo`), and whether some
+    /// tile voted non-finite (the kernel then redoes it in f32; here it stays as computed).
+    #[allow(clippy::too_many_arguments)]
+    pub fn gemm_mma(
+        x: &[f32],
+        w: &[f32],
+        w_f16: bool,
+        bias: &[f32],
+        rows: usize,
+        n_in: usize,
+        rounding: Rounding,
+    ) -> (Vec<f32>, bool) {
+        let n_out = bias.len();
+        let mut y = vec![0.0; rows * n_out];
+        let mut fallback = false;
+        for (row0, col0) in (0..rows.div_ceil(TILE))
+            .flat_map(|rt| (0..n_out.div_ceil(TILE)).map(move |ct| (TILE * rt, TILE * ct)))
+        {
+            let mut smem = vec![0u8; 2 * STAGE_BYTES];
+            let zero: Sums = [[[[0.0; 4]; 32]; 4]; 2];
+            let (mut main, mut cross) = (vec![zero; 8], vec![zero; 8]);
+            for s in 0..n_in.div_ceil(STEP) {
+                let (stage, k0) = ((s % 2) * STAGE_BYTES, s * STEP);
+                // The 256 staging threads.
+                for t in 0..256 {
+                    for p in 0..2 {
+                        let r = (row0 + t / 8 + 32 * p).min(rows - 1);
+                        let (k, kl) = (k0 + 4 * (t % 8), 4 * (t % 8));
+                        let at = stage + chunk_at(t / 8 + 32 * p, kl / 8) + 2 * (kl % 8);
+                        for j in 0..4 {
+                            let v = if k < n_in { x[r * n_in + k + j] } else { 0.0 };
+                            let (hi, lo) = split(v);
+                            put(&mut smem, at + 2 * j, hi);
+                            put(&mut smem, at + TILE_BYTES + 2 * j, lo);
+                        }
+                    }
+                    let n = (col0 + t / 4).min(n_out - 1);
+                    let k = k0 + 8 * (t % 4);
+                    let at = stage + 2 * TILE_BYTES + chunk_at(t / 4, t % 4);
+                    for j in 0..8 {
+                        let v = if k < n_in { w[n * n_in + k + j] } else { 0.0 };
+                        let (hi, lo) = split(v);
+                        put(&mut smem, at + 2 * j, hi);
+                        if !w_f16 {
+                            put(&mut smem, at + TILE_BYTES + 2 * j, lo);
+                        }
+                    }
+                }
+                // The 8 warps' products.
+                for warp in 0..8 {
+                    let (half, quarter) = (warp / 4, warp % 4);
+                    let (qm, qn) = (32 * (quarter / 2), 32 * (quarter % 2));
+                    let frags = |tile: usize, at: &dyn Fn(usize) -> usize| {
+                        ldmatrix4(&smem, array::from_fn(|l| stage + tile * TILE_BYTES + at(l)))
+                    };
+                    let x_at = |i: usize| {
+                        move |l: usize| chunk_at(qm + 16 * i + l % 16, 2 * half + l / 16)
+                    };
+                    let w_at = |j: usize| {
+                        move |l: usize| {
+                            chunk_at(qn + 16 * j + l % 8 + 8 * (l / 16), 2 * half + l / 8 % 2)
+                        }
+                    };
+                    let x_hi = [0, 1].map(|i| frags(0, &x_at(i)));
+                    let x_lo = [0, 1].map(|i| frags(1, &x_at(i)));
+                    let w_hi = [0, 1].map(|j| frags(2, &w_at(j)));
+                    let w_lo = [0, 1].map(|j| frags(3, &w_at(j)));
+                    let b = |f: &[[u32; 4]; 32], j: usize| -> [[u32; 2]; 32] {
+                        array::from_fn(|l| [f[l][2 * (j % 2)], f[l][2 * (j % 2) + 1]])
+                    };
+                    for i in 0..2 {
+                        for j in 0..4 {
+                            mma(
+                                &mut main[warp][i][j],
+                                &x_hi[i],
+                                &b(&w_hi[j / 2], j),
+                                rounding,
+                            );
+                            mma(
+                                &mut cross[warp][i][j],
+                                &x_lo[i],
+                                &b(&w_hi[j / 2], j),
+                                rounding,
+                            );
+                        }
+                    }
+                    if !w_f16 {
+                        for i in 0..2 {
+                            for j in 0..4 {
+                                mma(
+                                    &mut cross[warp][i][j],
+                                    &x_hi[i],
+                                    &b(&w_lo[j / 2], j),
+                                    rounding,
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+            // Warps 4-7 store their sums, warps 0-3 add theirs.
+            let mut out = vec![0.0f32; TILE * OUT_STRIDE];
+            for warp in (4..8).chain(0..4) {
+                let (half, quarter) = (warp / 4, warp % 4);
+                let (qm, qn) = (32 * (quarter / 2), 32 * (quarter % 2));
+                for (l, i, j, e) in (0..32).flat_map(|l| {
+                    (0..2).flat_map(move |i| {
+                        (0..4).flat_map(move |j| (0..4).map(move |e| (l, i, j, e)))
+                    })
+                }) {
+                    let v = cross[warp][i][j][l][e].mul_add(1.0 / LO_SCALE, main[warp][i][j][l][e]);
+                    fallback |= !v.is_finite();
+                    let r = qm + 16 * i + l / 4 + 8 * (e / 2);
+                    let at = r * OUT_STRIDE + qn + 8 * j + 2 * (l % 4) + e % 2;
+                    if half == 1 {
+                        out[at] = v;
+                    } else {
+                        out[at] += v;
+                    }
+                }
+            }
+            for (r, c) in (0..TILE).flat_map(|r| (0..TILE).map(move |c| (r, c))) {
+                let (row, col) = (row0 + r, col0 + c);
+                if row < rows && col < n_out {
+                    y[row * n_out + col] = out[r * OUT_STRIDE + c] + bias[col];
+                }
+            }
+        }
+        (y, fallback)
+    }
+}
+
+/// The emulated tensor-core tile against `cpu::matmul`: random shapes with tiles cut short
+/// in rows, outputs and k (n_in = 104: three K steps and a quarter), f32 and f16 weights,
+/// activations of 1, 1e3 and 1e-6; then the first 64 outputs of each distinct (type, shape) of
+/// the model's matrices, with both rounding models of the MMA. An operand beyond f16 must
+/// make its tile vote non-finite. Runs on the CPU (no GPU needed).
+#[test]
+fn mma_tile_emulation_matches_cpu() {
+    use emulation::Rounding::{Nearest, Truncating};
+    let mut rng = Rng::new(23);
+    let (rows, n_in, n_out) = (70, 104, 72);
+    let bias = rng.vec(n_out);
+    let cols: Vec<usize> = (0..n_out).collect();
+    for (w_f16, scale) in [
+        (false, 1.0f32),
+        (true, 1.0),
+        (false, 1e3),
+        (false, 1e-6),
+        (false, 1e-4),
+        (false, 1e-5),
+        (true, 1e-6),
+    ] {
+        let w: Vec<f32> = rng.vec(n_out * n_in);
+        let w = if w_f16 {
+            to_f16(&w).iter().map(|v| v.to_f32()).collect()
+        } else {
+            w
+        };
+        let x: Vec<f32> = rng.vec(rows * n_in).iter().map(|v| v * scale).collect();
+        // A bias of the products' size, so that it does not hide their error.
+        let bias: Vec<f32> = bias.iter().map(|b| b * scale).collect();
+        let (y, fallback) = emulation::gemm_mma(&x, &w, w_f16, &bias, rows, n_in, Nearest);
+        let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w, &bias, n_in, &cols);
+        println!(
+            "emulated mma {rows}x{n_out}x{n_in} f16 weights {w_f16}, |x| ~ {scale:e}: \
+             max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)"
+        );
+        assert!(!fallback && of_bound <= 1.0, "emulated mma: {err}");
+    }
+    // Beyond f16's range: the tile votes for the f32 loop.
+    let mut x = rng.vec(rows * n_in);
+    x[3 * n_in + 5] = 7e4;
+    let w = rng.vec(n_out * n_in);
+    assert!(emulation::gemm_mma(&x, &w, false, &bias, rows, n_in, Nearest).1);
+
+    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
+    let mut seen = HashSet::new();
+    for t in g.tensors().iter().filter(|t| t.shape.len() == 2) {
+        if !seen.insert((t.ty, t.shape.clone())) {
+            continue;
+        }
+        let n_in = t.shape[0] as usize;
+        let n_out = 64;
+        let w = quant::dequantize_to_vec(
+            t.ty,
+            &g.tensor_data(t)[..n_out * t.ty.row_bytes(n_in).unwrap()],
+        )
+        .unwrap();
+        let bias = rng.vec(n_out);
+        let x = rng.vec(64 * n_in);
+        let cols: Vec<usize> = (0..n_out).collect();
+        for rounding in [Nearest, Truncating] {
+            let (y, _) = emulation::gemm_mma(&x, &w, false, &bias, 64, n_in, rounding);
+            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w, &bias, n_in, &cols);
+            println!(
+                "emulated mma {} ({}) 64 rows x 64 outputs x {n_in}, {rounding:?}: \
+                 max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)",
+                t.name,
+                t.ty.name()
+            );
+            assert!(
+                of_bound <= 1.0,
+                "emulated mma {} {rounding:?}: {err}",
+                t.name
+            );
+        }
+    }
 }

@@ -3,5 +3,6 @@
 //! passes without a GPU, and fails under `REQUIRE_GPU=1`.
 mod attention;
 mod basic;
+mod decode;
 mod matmul;
 mod sampling;

@@ -1,6 +1,7 @@
 //! `Device::sample` against its CPU twin `orcd::sampling::sample`: greedy, top-k with
 //! temperature, top-p, min-p and repetition penalty over a grid of params and draws, ties,
-//! and the params the GPU refuses.
+//! and the params the GPU refuses. `Device::sample_dev` (position and draw in device memory)
+//! against `Device::sample` over sequences of decode steps.
 use std::time::Instant;
 
 use orcd::cuda::Device;
@@ -373,4 +374,102 @@ fn refuses_what_it_cannot_sample() {
         err.to_string(),
         "sample on the GPU handles vocabularies up to 393216 tokens, got 400000"
     );
+}
+
+/// `sample_dev` over a sequence of decode steps, its state (tokens, pos, step) only on the
+/// device, against `sample` given the same tokens, count and draw from the host: the same
+/// token and the same penalised logits (bit for bit: the same kernel body on the same inputs,
+/// the launch of the same block size), the token in `out[0]` and in `tokens[pos + 1]`, and
+/// `pos` and `step` one further after each call. The window of 16 recent tokens slides over
+/// tokens the kernel wrote itself; the last step, at the buffer's end, writes no token.
+#[test]
+fn sample_dev_matches_sample_over_steps() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(13);
+    let params = [
+        SamplingParams::greedy(),
+        SamplingParams {
+            repeat_penalty: 1.3,
+            repeat_last_n: 16,
+            ..SamplingParams::greedy()
+        },
+        SamplingParams::default(),
+        SamplingParams {
+            temperature: 1.5,
+            top_k: 1024,
+            top_p: 0.8,
+            min_p: 0.05,
+            repeat_penalty: 1.3,
+            repeat_last_n: 16,
+            seed: 99,
+        },
+    ];
+    for n in [VOCAB, 1000] {
+        for p in &params {
+            let (cap, first_pos, first_step) = (40usize, 9usize, 5u64);
+            // A prompt of first_pos + 1 tokens; junk after it, which must be overwritten.
+            let mut want_tokens: Vec<u32> = (0..=first_pos)
+                .map(|_| ((rng.next_f32() + 1.0) / 2.0 * n as f32) as u32 % n as u32)
+                .collect();
+            let mut buf = want_tokens.clone();
+            buf.resize(cap, 7);
+            let mut tokens = dev.upload(&buf).unwrap();
+            let mut pos = dev.upload(&[first_pos as u32]).unwrap();
+            let mut step = dev.upload(&[first_step]).unwrap();
+            let mut out = dev.zeros::<u32>(1).unwrap();
+            for i in 0..cap - first_pos {
+                let (at, draw) = (first_pos + i, first_step + i as u64);
+                // The last tokens lead the logits (model_like's peaks reach 15), so that the
+                // penalty of 1.3 changes the choice.
+                let mut logits = model_like(&mut rng, n);
+                for (j, &t) in want_tokens.iter().rev().take(4).enumerate() {
+                    logits[t as usize] = 16.0 + j as f32 / 4.0;
+                }
+                let mut want_logits = dev.upload(&logits).unwrap();
+                let recent = dev.upload(&want_tokens).unwrap();
+                let mut want_out = dev.zeros::<u32>(1).unwrap();
+                dev.sample(&mut want_out, &mut want_logits, &recent, at + 1, p, draw)
+                    .unwrap();
+                let want = dev.download(&want_out).unwrap()[0];
+
+                let mut got_logits = dev.upload(&logits).unwrap();
+                dev.sample_dev(
+                    &mut out,
+                    &mut got_logits,
+                    &mut tokens,
+                    &mut pos,
+                    &mut step,
+                    p,
+                )
+                .unwrap();
+                let got = dev.download(&out).unwrap()[0];
+                assert_eq!(got, want, "n={n} {p:?} position {at}");
+                let (gl, wl) = (
+                    dev.download(&got_logits).unwrap(),
+                    dev.download(&want_logits).unwrap(),
+                );
+                assert!(
+                    gl.iter().zip(&wl).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "n={n} {p:?} position {at}: penalised logits differ"
+                );
+                assert_eq!(dev.download(&pos).unwrap(), [at as u32 + 1]);
+                assert_eq!(dev.download(&step).unwrap(), [draw + 1]);
+                if at + 1 < cap {
+                    want_tokens.push(want);
+                }
+                let mut want_buf = want_tokens.clone();
+                want_buf.resize(cap, 7);
+                assert_eq!(
+                    dev.download(&tokens).unwrap(),
+                    want_buf,
+                    "n={n} {p:?} position {at}"
+                );
+            }
+            println!(
+                "sample_dev n={n} {p:?}: {} steps equal, last tokens {:?}",
+                cap - first_pos,
+                &want_tokens[want_tokens.len() - 5..]
+            );
+        }
+    }
 }

@@ -1,0 +1,409 @@
+//! Launch helpers of the fused decode-step kernels (gpu-kernels/src/decode.rs), for one token.
+//! The position is read from device memory and every scratch buffer is the caller's, so the
+//! launches can be captured into a CUDA graph once and replayed for every token: no helper
+//! allocates, copies from the host or synchronises. Every weight matrix is read in its own
+//! format, the file's blocks or f16 ([`Weight`]).
+use cudarc::driver::sys::CUdevice_attribute;
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+use half::f16;
+
+use super::{Device, check};
+use crate::quant::GgmlType;
+use crate::{Error, Result};
+
+/// Most warps in a block; a GEMV unit's row is split over at most this many.
+const MAX_WARPS: u32 = 8;
+/// Groups of 8 weights one warp reads in one step of the GEMV (32 lanes, 4 groups each).
+const STEP_GROUPS: usize = 128;
+/// Where every vector and matrix must start: the kernels read them by 16-byte loads.
+const ALIGN: u64 = 16;
+/// Shared memory of `ffn_gate_up` and `logits`: the norm's block sum (32 f32), which also
+/// holds their warps' meeting (2 or 1 f32 per warp) and the arg-max's u64.
+const NORM_SHARED: u32 = 32 * 4;
+
+/// A weight matrix `[n_out, n_in]` as the decode kernels read it.
+#[derive(Clone, Copy)]
+pub enum Weight<'a> {
+    /// The raw file bytes of a tensor of this type (rows of whole blocks).
+    Raw(&'a dyn DevicePtr<u8>, GgmlType),
+    /// f16 values (the `--weights f16` path).
+    F16(&'a dyn DevicePtr<f16>),
+}
+
+impl Weight<'_> {
+    fn ty(&self) -> GgmlType {
+        match self {
+            Weight::Raw(_, ty) => *ty,
+            Weight::F16(_) => GgmlType::F16,
+        }
+    }
+
+    fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        match self {
+            Weight::Raw(w, _) => w.device_ptr(stream),
+            Weight::F16(w) => w.device_ptr(stream),
+        }
+    }
+
+    /// Checks that this is `n_out` rows of `n_in`; `what` names the kernel and the matrix.
+    fn check(&self, n_out: usize, n_in: usize, what: &str) -> Result<()> {
+        let ty = self.ty();
+        let row_bytes = ty.row_bytes(n_in).ok_or_else(|| {
+            Error::Invalid(format!(
+                "{what}: rows of {n_in} are not a whole number of {}-element {} blocks",
+                ty.block_elems(),
+                ty.name()
+            ))
+        })?;
+        let bytes = match self {
+            Weight::Raw(w, _) => w.len(),
+            Weight::F16(w) => 2 * w.len(),
+        };
+        check(bytes == n_out * row_bytes, &format!("{what}: shapes"))
+    }
+}
+
+/// `v` as a kernel's `u32`, or an error naming `what`.
+fn u32_of(v: usize, what: &str) -> Result<u32> {
+    u32::try_from(v).map_err(|_| Error::Invalid(format!("{what}: {v} is too large for a kernel")))
+}
+
+/// An error unless every pointer is 16-byte aligned.
+fn check_aligned(ptrs: &[u64], what: &str) -> Result<()> {
+    if ptrs.iter().all(|p| p % ALIGN == 0) {
+        Ok(())
+    } else {
+        Err(Error::Invalid(format!(
+            "{what}: vectors and weights must start {ALIGN}-byte aligned"
+        )))
+    }
+}
+
+/// Warps per GEMV unit for rows of `n_in`: enough that each warp's share is one step (long rows
+/// would otherwise leave most of the GPU idle, one warp waiting on one load after another), a
+/// power of two, at most `MAX_WARPS`. Rows need `n_in % 8 == 0`, and rows longer than
+/// `MAX_WARPS` steps are refused where `one_step` (the kernels that hold `x` in registers).
+fn split_of(n_in: usize, one_step: bool, what: &str) -> Result<u32> {
+    if n_in == 0 || !n_in.is_multiple_of(8) {
+        return Err(Error::Invalid(format!(
+            "{what}: vectors of {n_in} are not a whole number of groups of 8"
+        )));
+    }
+    let steps = (n_in / 8).div_ceil(STEP_GROUPS).next_power_of_two();
+    if one_step && steps > MAX_WARPS as usize {
+        return Err(Error::Invalid(format!(
+            "{what}: rows of {n_in} are longer than the kernel's {}",
+            8 * STEP_GROUPS * MAX_WARPS as usize
+        )));
+    }
+    Ok(steps.min(MAX_WARPS as usize) as u32)
+}
+
+/// How a decode kernel is launched for `units` GEMV units of `split` warps.
+struct Geometry {
+    /// Threads per block.
+    threads: u32,
+    /// Units per block and round.
+    per_block: u32,
+    /// Blocks that cover every unit in one round.
+    blocks: u32,
+}
+
+impl Device {
+    fn sm_count(&self) -> Result<u32> {
+        let n = self
+            .ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        Ok(n.max(1) as u32)
+    }
+
+    /// `MAX_WARPS` warps per block, fewer (at least `split`) while that leaves SMs without a
+    /// block: the small matrices (k and v have 128 rows) then still spread over the GPU.
+    fn geometry(&self, units: usize, split: u32) -> Result<Geometry> {
+        let sms = self.sm_count()? as usize;
+        let mut warps = MAX_WARPS;
+        while warps > split && (units * split as usize).div_ceil(warps as usize) < sms {
+            warps /= 2;
+        }
+        let per_block = warps / split;
+        Ok(Geometry {
+            threads: 32 * warps,
+            per_block,
+            blocks: u32_of(units.div_ceil(per_block as usize), "decode blocks")?,
+        })
+    }
+
+    /// The launch of a kernel whose blocks stride over its units: as many blocks as cover them
+    /// in one round, at most as many as the GPU holds at once (the rest go round again, with
+    /// no block waiting for a slot).
+    fn strided_launch(&self, name: &str, g: &Geometry, shared: u32) -> Result<LaunchConfig> {
+        let resident = self
+            .kernel(name)
+            .occupancy_max_active_blocks_per_multiprocessor(g.threads, shared as usize, None)?;
+        let most = self.sm_count()? * resident.max(1);
+        Ok(LaunchConfig {
+            grid_dim: (g.blocks.min(most), 1, 1),
+            block_dim: (g.threads, 1, 1),
+            shared_mem_bytes: shared,
+        })
+    }
+
+    /// The attention block's input projections for one token at position `pos[0]`:
+    /// `xn = rms_norm(x)·norm`, `q = rope(wq·xn + bq)`, and row `pos[0]` of the caches
+    /// `k_cache = rope(wk·xn + bk)`, `v_cache = wv·xn + bv`, with NeoX RoPE from `rope`
+    /// (`rope_table`'s `[positions, head_dim/2, 2]`). `qkv` holds the (weights, bias) of q, k
+    /// and v; `head_dim = q.len() / n_heads`; the caches are `[max_pos, n_kv_heads·head_dim]`.
+    /// The kernel traps when `pos[0]` is past the caches or the table. Twin: `cpu::rms_norm`,
+    /// `cpu::matmul` of each, `cpu::rope_neox` of q and k.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_qkv(
+        &self,
+        q: &mut impl DevicePtrMut<f32>,
+        k_cache: &mut impl DevicePtrMut<f32>,
+        v_cache: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        norm: &impl DevicePtr<f32>,
+        eps: f32,
+        qkv: [(Weight, Option<&CudaSlice<f32>>); 3],
+        pos: &impl DevicePtr<u32>,
+        rope: &impl DevicePtr<f32>,
+        n_heads: usize,
+        n_kv_heads: usize,
+    ) -> Result<()> {
+        const WHAT: &str = "attn_qkv";
+        check(
+            n_heads > 0
+                && n_kv_heads > 0
+                && q.len().is_multiple_of(n_heads)
+                && (q.len() / n_heads).is_multiple_of(2)
+                && q.len() > 0,
+            "attn_qkv: n_heads, n_kv_heads and q (an even head_dim)",
+        )?;
+        let (n_in, hd) = (x.len(), q.len() / n_heads);
+        let kv_dim = n_kv_heads * hd;
+        check(
+            norm.len() == n_in
+                && pos.len() >= 1
+                && k_cache.len() == v_cache.len()
+                && k_cache.len().is_multiple_of(kv_dim)
+                && k_cache.len() >= kv_dim
+                && rope.len().is_multiple_of(hd)
+                && rope.len() >= hd,
+            "attn_qkv: shapes of x, norm, pos, the caches and the table",
+        )?;
+        let max_pos = (k_cache.len() / kv_dim).min(rope.len() / hd);
+        u32_of(k_cache.len().max(rope.len()), "attn_qkv: caches and table")?;
+        let split = split_of(n_in, false, WHAT)?;
+        for ((w, bias), (n_out, name)) in
+            qkv.iter()
+                .zip([(q.len(), "q"), (kv_dim, "k"), (kv_dim, "v")])
+        {
+            w.check(n_out, n_in, &format!("attn_qkv {name}"))?;
+            check(
+                bias.is_none_or(|b| b.len() == n_out),
+                &format!("attn_qkv {name}: bias and rows"),
+            )?;
+        }
+        // Units: pairs of rows that RoPE rotates together (v's paired the same way).
+        let (q_pairs, kv_pairs) = (q.len() / 2, kv_dim / 2);
+        let g = self.geometry(q_pairs + 2 * kv_pairs, split)?;
+        let q_blocks = u32_of(q_pairs.div_ceil(g.per_block as usize), WHAT)?;
+        let kv_blocks = u32_of(kv_pairs.div_ceil(g.per_block as usize), WHAT)?;
+        let cfg = LaunchConfig {
+            grid_dim: (q_blocks + 2 * kv_blocks, 1, 1),
+            block_dim: (g.threads, 1, 1),
+            shared_mem_bytes: g.threads / 32 * 3 * 4,
+        };
+        let s = self.stream();
+        let (qp, _q) = q.device_ptr_mut(s);
+        let (kc, _kc) = k_cache.device_ptr_mut(s);
+        let (vc, _vc) = v_cache.device_ptr_mut(s);
+        let (xp, _x) = x.device_ptr(s);
+        let (np, _n) = norm.device_ptr(s);
+        let (pp, _p) = pos.device_ptr(s);
+        let (rp, _r) = rope.device_ptr(s);
+        let ws = qkv.each_ref().map(|(w, _)| w.ptr(s));
+        let bs = qkv.each_ref().map(|(_, b)| b.map(|b| b.device_ptr(s)));
+        check_aligned(&[xp, np, ws[0].0, ws[1].0, ws[2].0], WHAT)?;
+        // A null bias pointer: the kernel adds nothing.
+        let bp = bs.each_ref().map(|b| b.as_ref().map_or(0, |(p, _)| *p));
+        let tys = qkv.each_ref().map(|(w, _)| w.ty() as u32);
+        let (n_in, n_heads, n_kv, hd) = (n_in as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
+        let max_pos = max_pos as u32;
+        let mut l = s.launch_builder(self.kernel("attn_qkv"));
+        l.arg(&qp).arg(&kc).arg(&vc).arg(&xp).arg(&np).arg(&eps);
+        for i in 0..3 {
+            l.arg(&ws[i].0).arg(&tys[i]).arg(&bp[i]);
+        }
+        l.arg(&pp).arg(&rp);
+        l.arg(&n_in).arg(&n_heads).arg(&n_kv).arg(&hd).arg(&max_pos);
+        l.arg(&q_blocks).arg(&kv_blocks).arg(&split);
+        // SAFETY: the parameters are the kernel's (f32*, f32*, f32*, const f32*, const f32*,
+        // f32, then (const u8*, u32, const f32* or null) for q, k, v, const u32*, const f32*,
+        // then 8 u32). Every size was checked above: the weights are whole rows of n_in of
+        // their type, 16-byte aligned as x and norm; q holds n_heads·head_dim; the kernel
+        // writes cache row pos[0] and reads table row pos[0] only below max_pos, else traps.
+        // Blocks are whole units of `split` warps, shared 3 f32 per warp.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The FFN's first half for one token: `h[r] = silu(gate[r]·xn)·(up[r]·xn)` with
+    /// `xn = rms_norm(x)·norm`, for the `h.len()` rows of `gate` and `up` (one type for both).
+    /// Twin: `cpu::rms_norm`, `cpu::matmul` of each, `cpu::silu_mul`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn ffn_gate_up(
+        &self,
+        h: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        norm: &impl DevicePtr<f32>,
+        eps: f32,
+        gate: Weight,
+        up: Weight,
+    ) -> Result<()> {
+        const WHAT: &str = "ffn_gate_up";
+        let (n_in, n_out) = (x.len(), h.len());
+        check(norm.len() == n_in, "ffn_gate_up: shapes of x and norm")?;
+        if gate.ty() != up.ty() {
+            return Err(Error::Invalid(format!(
+                "ffn_gate_up: gate ({}) and up ({}) must have one type",
+                gate.ty().name(),
+                up.ty().name()
+            )));
+        }
+        let split = split_of(n_in, true, WHAT)?;
+        gate.check(n_out, n_in, "ffn_gate_up gate")?;
+        up.check(n_out, n_in, "ffn_gate_up up")?;
+        if n_out == 0 {
+            return Ok(());
+        }
+        let n_out32 = u32_of(n_out, WHAT)?;
+        let g = self.geometry(n_out, split)?;
+        let cfg = self.strided_launch(WHAT, &g, NORM_SHARED)?;
+        let s = self.stream();
+        let (hp, _h) = h.device_ptr_mut(s);
+        let (xp, _x) = x.device_ptr(s);
+        let (np, _n) = norm.device_ptr(s);
+        let (gp, _g) = gate.ptr(s);
+        let (upp, _u) = up.ptr(s);
+        check_aligned(&[xp, np, gp, upp], WHAT)?;
+        let (ty, n_in) = (gate.ty() as u32, n_in as u32);
+        let mut l = s.launch_builder(self.kernel(WHAT));
+        l.arg(&hp)
+            .arg(&xp)
+            .arg(&np)
+            .arg(&eps)
+            .arg(&gp)
+            .arg(&upp)
+            .arg(&ty);
+        l.arg(&n_in).arg(&n_out32).arg(&split);
+        // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, const u8*, u32, u32,
+        // u32, u32). Gate and up are n_out whole rows of n_in of their type, 16-byte aligned
+        // as x and norm; h holds n_out; n_in fits one step of `split` warps (`split_of`);
+        // blocks are whole units of `split` warps, at most 8, shared 32 f32.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// `y[r] += w[r]·v + bias[r]` for the `y.len()` rows of `w`, in place on the residual
+    /// stream: the attention output (`v` the attention's output) and FFN down (`v = h`)
+    /// projections. Twin: `cpu::matmul` then `cpu::add`.
+    pub fn gemv_residual(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        w: Weight,
+        bias: Option<&CudaSlice<f32>>,
+        v: &impl DevicePtr<f32>,
+    ) -> Result<()> {
+        const WHAT: &str = "gemv_residual";
+        let (n_in, n_out) = (v.len(), y.len());
+        let split = split_of(n_in, false, WHAT)?;
+        w.check(n_out, n_in, WHAT)?;
+        check(
+            bias.is_none_or(|b| b.len() == n_out),
+            "gemv_residual: bias and rows",
+        )?;
+        if n_out == 0 {
+            return Ok(());
+        }
+        let n_out32 = u32_of(n_out, WHAT)?;
+        let g = self.geometry(n_out, split)?;
+        let cfg = self.strided_launch(WHAT, &g, g.threads / 32 * 4)?;
+        let s = self.stream();
+        let (yp, _y) = y.device_ptr_mut(s);
+        let (vp, _v) = v.device_ptr(s);
+        let (wp, _w) = w.ptr(s);
+        let bias = bias.map(|b| b.device_ptr(s));
+        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
+        check_aligned(&[vp, wp], WHAT)?;
+        let (ty, n_in) = (w.ty() as u32, u32_of(n_in, WHAT)?);
+        let mut l = s.launch_builder(self.kernel(WHAT));
+        l.arg(&yp).arg(&vp).arg(&wp).arg(&ty).arg(&bp);
+        l.arg(&n_in).arg(&n_out32).arg(&split);
+        // SAFETY: parameters (f32*, const f32*, const u8*, u32, const f32* or null, u32, u32,
+        // u32). w is n_out whole rows of n_in of its type, 16-byte aligned as v; y and bias
+        // hold n_out; blocks are whole units of `split` warps, shared 1 f32 per warp.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// The scratch of `logits`' fused arg-max: 2 u64, zero. Allocate it once; every launch
+    /// leaves it zero again (a launch that faults midway may not: allocate a new one then).
+    pub fn logits_scratch(&self) -> Result<CudaSlice<u64>> {
+        self.zeros(2)
+    }
+
+    /// `logits[r] = output[r]·xn` with `xn = rms_norm(x)·norm`, for the `logits.len()` rows of
+    /// `w`. With `best = Some((out, scratch))`, also `out[0]` = the arg-max of these logits
+    /// (the first index on ties, NaN never; `u32::MAX` if all are NaN), found in the same pass
+    /// without reading the logits again; `scratch` from `logits_scratch`, used by one launch
+    /// at a time. Twin: `cpu::rms_norm`, `cpu::matmul`, `cpu::argmax`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn logits(
+        &self,
+        logits: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        norm: &impl DevicePtr<f32>,
+        eps: f32,
+        w: Weight,
+        best: Option<(&mut dyn DevicePtrMut<u32>, &mut CudaSlice<u64>)>,
+    ) -> Result<()> {
+        const WHAT: &str = "logits";
+        let (n_in, n_out) = (x.len(), logits.len());
+        check(norm.len() == n_in, "logits: shapes of x and norm")?;
+        let split = split_of(n_in, true, WHAT)?;
+        w.check(n_out, n_in, WHAT)?;
+        check(
+            n_out > 0
+                && best
+                    .as_ref()
+                    .is_none_or(|(o, s)| o.len() >= 1 && s.len() >= 2),
+            "logits: rows, best and scratch",
+        )?;
+        let n_out32 = u32_of(n_out, WHAT)?;
+        let g = self.geometry(n_out, split)?;
+        let cfg = self.strided_launch(WHAT, &g, NORM_SHARED)?;
+        let s = self.stream();
+        let (lp, _l) = logits.device_ptr_mut(s);
+        let (xp, _x) = x.device_ptr(s);
+        let (np, _n) = norm.device_ptr(s);
+        let (wp, _w) = w.ptr(s);
+        check_aligned(&[xp, np, wp], WHAT)?;
+        let best = best.map(|(o, sc)| (o.device_ptr_mut(s), sc.device_ptr_mut(s)));
+        // Null pointers: no arg-max.
+        let (op, sp) = best.as_ref().map_or((0, 0), |((o, _), (sc, _))| (*o, *sc));
+        let (ty, n_in) = (w.ty() as u32, n_in as u32);
+        let mut l = s.launch_builder(self.kernel(WHAT));
+        l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
+        l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
+        // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,
+        // u32* or null, u64* or null). w is n_out whole rows of n_in of its type, 16-byte
+        // aligned as x and norm; logits holds n_out; n_in fits one step of `split` warps;
+        // out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); blocks are
+        // whole units of `split` warps, at most 8, shared 32 f32.
+        unsafe { l.launch(cfg) }?;
+        Ok(())
+    }
+}

@@ -1,0 +1,724 @@
+//! The fused decode-step kernels (`attn_qkv`, `ffn_gate_up`, `gemv_residual`, `logits` with its
+//! arg-max) against the compositions of CPU twins the forward pass runs: `cpu::rms_norm`,
+//! `cpu::matmul` on the dequantized weights, `cpu::rope_neox`, `cpu::silu_mul`, `cpu::add` and
+//! `cpu::argmax`. Random weights of every type, at the model's sizes and odd ones, then the
+//! real model's layers 0 and 11 and its output projection, with the weights in the file's
+//! formats and in f16.
+//!
+//! Tolerance: the kernels dequantize exactly as `quant::dequantize` does, so the GPU and the CPU
+//! sum the same f32 products in another order (by FMA), and the norm's scale is applied to the
+//! finished products instead of to `x`: a few float roundings of each term. The error of an
+//! output is therefore measured against the sum of its terms' magnitudes, `sum|w·xn|` (plus
+//! |bias| and what is added to it), and must stay below `TOL`, as in matmul.rs.
+use cudarc::driver::CudaSlice;
+use half::f16;
+use orcd::cpu;
+use orcd::cuda::Device;
+use orcd::cuda::decode::Weight;
+use orcd::quant::{self, GgmlType};
+use orcd_tests::{Rng, gpu};
+
+/// Error bound relative to the sum of the terms' magnitudes (see the top of the file).
+const TOL: f32 = 1e-5;
+const EPS: f32 = 1e-6;
+const THETA: f32 = 1e6;
+
+/// Every weight type the kernels read.
+const TYPES: [GgmlType; 9] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q8_0,
+    GgmlType::Q4K,
+    GgmlType::Q5K,
+    GgmlType::Q6K,
+];
+
+fn abs(v: &[f32]) -> Vec<f32> {
+    v.iter().map(|v| v.abs()).collect()
+}
+
+/// The worst `|got - want| / scale`; NaN (an output never written) counts as infinite.
+fn worst(got: &[f32], want: &[f32], scale: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    let mut w = 0.0f32;
+    for ((g, v), s) in got.iter().zip(want).zip(scale) {
+        let e = (g - v).abs() / s.max(1e-30);
+        w = if e.is_nan() { f32::INFINITY } else { w.max(e) };
+    }
+    w
+}
+
+/// `n_rows` rows of `n_in` random weights of type `ty`: plain floats in ±4; for the block
+/// types random bytes, each block whose values are not all finite (a NaN or infinite f16
+/// scale) drawn again, so every quant and scale bit pattern occurs.
+fn random_weights(rng: &mut Rng, ty: GgmlType, n_rows: usize, n_in: usize) -> Vec<u8> {
+    let n = n_rows * n_in;
+    let mut floats = |bytes: fn(f32) -> Vec<u8>| -> Vec<u8> {
+        (0..n).flat_map(|_| bytes(rng.next_f32() * 4.0)).collect()
+    };
+    match ty {
+        GgmlType::F32 => floats(|v| v.to_le_bytes().to_vec()),
+        GgmlType::F16 => floats(|v| f16::from_f32(v).to_le_bytes().to_vec()),
+        // bf16 is the top half of an f32.
+        GgmlType::BF16 => floats(|v| ((v.to_bits() >> 16) as u16).to_le_bytes().to_vec()),
+        _ => {
+            let bytes = ty.row_bytes(n_in).unwrap() * n_rows;
+            let mut t: Vec<u8> = (0..bytes)
+                .map(|_| (rng.next_f32() * 128.0 + 128.0) as u8)
+                .collect();
+            let mut vals = vec![0.0; ty.block_elems()];
+            for block in t.chunks_exact_mut(ty.block_bytes()) {
+                loop {
+                    quant::dequantize(ty, block, &mut vals).unwrap();
+                    if vals.iter().all(|v| v.is_finite()) {
+                        break;
+                    }
+                    block.fill_with(|| (rng.next_f32() * 128.0 + 128.0) as u8);
+                }
+            }
+            t
+        }
+    }
+}
+
+/// A weight matrix on the GPU, in the file's format or in f16, and its values as the CPU
+/// twins take them.
+struct Mat {
+    data: Data,
+    w32: Vec<f32>,
+    n_in: usize,
+}
+
+enum Data {
+    Raw(CudaSlice<u8>, GgmlType),
+    F16(CudaSlice<f16>),
+}
+
+impl Mat {
+    /// The bytes `bytes` of a matrix with rows of `n_in` of type `ty`: uploaded as they are,
+    /// or with `as_f16` dequantized to f16 (the `--weights f16` path).
+    fn new(dev: &Device, ty: GgmlType, bytes: &[u8], n_in: usize, as_f16: bool) -> Mat {
+        if as_f16 {
+            let n = bytes.len() / ty.block_bytes() * ty.block_elems();
+            let mut w = vec![f16::ZERO; n];
+            quant::dequantize_f16(ty, bytes, &mut w).unwrap();
+            let w32 = w.iter().map(|v| v.to_f32()).collect();
+            Mat {
+                data: Data::F16(dev.upload(&w).unwrap()),
+                w32,
+                n_in,
+            }
+        } else {
+            Mat {
+                data: Data::Raw(dev.upload(bytes).unwrap(), ty),
+                w32: quant::dequantize_to_vec(ty, bytes).unwrap(),
+                n_in,
+            }
+        }
+    }
+
+    fn weight(&self) -> Weight<'_> {
+        match &self.data {
+            Data::Raw(b, ty) => Weight::Raw(b, *ty),
+            Data::F16(w) => Weight::F16(w),
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        match &self.data {
+            Data::Raw(_, ty) => ty.name(),
+            Data::F16(_) => "f16 (dequantized)",
+        }
+    }
+
+    fn n_out(&self) -> usize {
+        self.w32.len() / self.n_in
+    }
+
+    /// `w·x + bias` and the error scale `sum|w·x| + |bias|`, by `cpu::matmul`.
+    fn cpu(&self, x: &[f32], bias: Option<&[f32]>) -> (Vec<f32>, Vec<f32>) {
+        let n = self.n_out();
+        let (mut y, mut mag) = (vec![0.0; n], vec![0.0; n]);
+        cpu::matmul(&mut y, x, &self.w32, self.n_in, bias);
+        cpu::matmul(&mut mag, &abs(x), &abs(&self.w32), self.n_in, None);
+        if let Some(b) = bias {
+            for (m, b) in mag.iter_mut().zip(b) {
+                *m += b.abs();
+            }
+        }
+        (y, mag)
+    }
+}
+
+fn rms_norm(x: &[f32], g: &[f32]) -> Vec<f32> {
+    let mut xn = vec![0.0; x.len()];
+    cpu::rms_norm(&mut xn, x, g, EPS);
+    xn
+}
+
+/// An attention block's input side: the norm and the (weights, bias) of q, k and v.
+struct Attn {
+    norm: Vec<f32>,
+    qkv: [(Mat, Option<Vec<f32>>); 3],
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+}
+
+/// `attn_qkv` for the token `x` at `pos` against the CPU: the worst error of q, k and v. The
+/// caches have `pos + 3` rows of a sentinel, of which only row `pos` may change.
+fn check_attn_qkv(dev: &Device, a: &Attn, x: &[f32], pos: usize, what: &str) -> f32 {
+    let hd = a.head_dim;
+    let (q_dim, kv_dim) = (a.n_heads * hd, a.n_kv * hd);
+    let max_pos = pos + 3;
+    let sentinel = 7.5f32;
+    let mut q = dev.zeros::<f32>(q_dim).unwrap();
+    let mut kc = dev.upload(&vec![sentinel; max_pos * kv_dim]).unwrap();
+    let mut vc = dev.upload(&vec![sentinel; max_pos * kv_dim]).unwrap();
+    let (xd, nd) = (dev.upload(x).unwrap(), dev.upload(&a.norm).unwrap());
+    let biases: Vec<Option<CudaSlice<f32>>> = a
+        .qkv
+        .iter()
+        .map(|(_, b)| b.as_ref().map(|b| dev.upload(b).unwrap()))
+        .collect();
+    let rope = dev.rope_table(max_pos + 5, hd, THETA).unwrap();
+    let posd = dev.upload(&[pos as u32]).unwrap();
+    let qkv = [0, 1, 2].map(|i| (a.qkv[i].0.weight(), biases[i].as_ref()));
+    dev.attn_qkv(
+        &mut q, &mut kc, &mut vc, &xd, &nd, EPS, qkv, &posd, &rope, a.n_heads, a.n_kv,
+    )
+    .unwrap();
+    let q = dev.download(&q).unwrap();
+    let (kc, vc) = (dev.download(&kc).unwrap(), dev.download(&vc).unwrap());
+    let row = |c: &[f32]| c[pos * kv_dim..(pos + 1) * kv_dim].to_vec();
+    let got = [q, row(&kc), row(&vc)];
+    for (r, (k, v)) in kc.chunks(kv_dim).zip(vc.chunks(kv_dim)).enumerate() {
+        if r != pos {
+            assert!(
+                k.iter().chain(v).all(|v| *v == sentinel),
+                "attn_qkv {what}: cache row {r} changed (pos {pos})"
+            );
+        }
+    }
+    let xn = rms_norm(x, &a.norm);
+    let mut err = 0.0f32;
+    for (i, ((w, bias), got)) in a.qkv.iter().zip(&got).enumerate() {
+        let (mut want, mag) = w.cpu(&xn, bias.as_deref());
+        if i < 2 {
+            let row_len = want.len();
+            cpu::rope_neox(&mut want, row_len, pos, hd, THETA);
+        }
+        // RoPE mixes rows i and i + head_dim/2 of a head: their scales add.
+        let half = hd / 2;
+        let scale: Vec<f32> = (0..want.len())
+            .map(|r| {
+                let a = r / hd * hd + r % half;
+                mag[a] + mag[a + half]
+            })
+            .collect();
+        err = err.max(worst(got, &want, &scale));
+    }
+    err
+}
+
+/// `ffn_gate_up` for the token `x` against `cpu::silu_mul` of the two products.
+fn check_gate_up(dev: &Device, norm: &[f32], gate: &Mat, up: &Mat, x: &[f32]) -> f32 {
+    let n_out = gate.n_out();
+    let mut h = dev.zeros::<f32>(n_out).unwrap();
+    let (xd, nd) = (dev.upload(x).unwrap(), dev.upload(norm).unwrap());
+    dev.ffn_gate_up(&mut h, &xd, &nd, EPS, gate.weight(), up.weight())
+        .unwrap();
+    let got = dev.download(&h).unwrap();
+    let xn = rms_norm(x, norm);
+    let ((g, mg), (u, mu)) = (gate.cpu(&xn, None), up.cpu(&xn, None));
+    let mut want = g.clone();
+    cpu::silu_mul(&mut want, &u);
+    // silu(g)·u moves by at most 1.1·|u|·dg + (|g| + 0.3)·du (|silu'| <= 1.1, |silu(g)| <=
+    // |g| + 0.28); e^-g by ex2.approx adds a relative (|g| + 16)·2^-24 (see silu_mul's test),
+    // written here as a share of the scale.
+    let scale: Vec<f32> = (0..n_out)
+        .map(|r| {
+            let s = 1.1 * u[r].abs() * mg[r] + (g[r].abs() + 0.3) * mu[r];
+            s + (g[r].abs() + 16.0) * f32::EPSILON * want[r].abs() / TOL
+        })
+        .collect();
+    worst(&got, &want, &scale)
+}
+
+/// `gemv_residual` of `v` onto a random residual `x0` against `cpu::add` of the product.
+fn check_residual(dev: &Device, rng: &mut Rng, w: &Mat, bias: Option<&[f32]>, v: &[f32]) -> f32 {
+    let x0 = rng.vec(w.n_out());
+    let mut xd = dev.upload(&x0).unwrap();
+    let bd = bias.map(|b| dev.upload(b).unwrap());
+    dev.gemv_residual(&mut xd, w.weight(), bd.as_ref(), &dev.upload(v).unwrap())
+        .unwrap();
+    let got = dev.download(&xd).unwrap();
+    let (y, mag) = w.cpu(v, bias);
+    let mut want = x0.clone();
+    cpu::add(&mut want, &y);
+    let scale: Vec<f32> = mag.iter().zip(&x0).map(|(m, x)| m + x.abs()).collect();
+    worst(&got, &want, &scale)
+}
+
+/// `logits` with its arg-max for the token `x`: returns the worst error and checks the
+/// arg-max, which must be exactly `cpu::argmax` of the GPU's own logits, and that of the
+/// CPU's logits unless the CPU's top two are closer than 1e-3 or than the two logits' error
+/// bounds (`TOL·sum|w·xn|` each; random weights make large logits), printed. Runs twice on
+/// one scratch, which must come back zero.
+fn check_logits(dev: &Device, norm: &[f32], w: &Mat, x: &[f32], what: &str) -> f32 {
+    let n_out = w.n_out();
+    let mut logits = dev.zeros::<f32>(n_out).unwrap();
+    let (xd, nd) = (dev.upload(x).unwrap(), dev.upload(norm).unwrap());
+    let mut best = dev.upload(&[12345u32]).unwrap();
+    let mut scratch = dev.logits_scratch().unwrap();
+    let mut picks = vec![];
+    for _ in 0..2 {
+        dev.logits(
+            &mut logits,
+            &xd,
+            &nd,
+            EPS,
+            w.weight(),
+            Some((&mut best, &mut scratch)),
+        )
+        .unwrap();
+        picks.push(dev.download(&best).unwrap()[0]);
+        assert_eq!(
+            dev.download(&scratch).unwrap(),
+            [0, 0],
+            "logits {what}: scratch"
+        );
+    }
+    let got = dev.download(&logits).unwrap();
+    let xn = rms_norm(x, norm);
+    let (want, mag) = w.cpu(&xn, None);
+    let gpu_best = cpu::argmax(&got);
+    assert_eq!(
+        picks, [gpu_best; 2],
+        "logits {what}: arg-max of the GPU logits"
+    );
+    let cpu_best = cpu::argmax(&want) as usize;
+    let mut others = want.clone();
+    others[cpu_best] = f32::NAN;
+    // Every other logit NaN: no second (the check is skipped).
+    let second = (cpu::argmax(&others) as usize).min(n_out - 1);
+    let margin = want[cpu_best] - want[second];
+    let bound = (TOL * (mag[cpu_best] + mag[second])).max(1e-3);
+    println!(
+        "logits {what}: arg-max {gpu_best}, CPU's {cpu_best}, CPU top-2 margin {margin:.2e} \
+         (checked above {bound:.2e})"
+    );
+    if margin >= bound {
+        assert_eq!(gpu_best as usize, cpu_best, "logits {what}: arg-max");
+    }
+    // Without `best` the logits are the same.
+    let mut plain = dev.zeros::<f32>(n_out).unwrap();
+    dev.logits(&mut plain, &xd, &nd, EPS, w.weight(), None)
+        .unwrap();
+    assert_eq!(
+        dev.download(&plain).unwrap(),
+        got,
+        "logits {what}: without arg-max"
+    );
+    worst(&got, &want, &mag)
+}
+
+/// A token's input: random, in ±3 (RMSNorm rescales it anyway).
+fn token(rng: &mut Rng, n: usize) -> Vec<f32> {
+    rng.vec(n).iter().map(|v| v * 3.0).collect()
+}
+
+/// A random attention block with weights of types `tys`, biases or none.
+#[allow(clippy::too_many_arguments)]
+fn random_attn(
+    dev: &Device,
+    rng: &mut Rng,
+    tys: [GgmlType; 3],
+    n_in: usize,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+    bias: bool,
+) -> Attn {
+    let rows = [n_heads * head_dim, n_kv * head_dim, n_kv * head_dim];
+    let qkv = [0, 1, 2].map(|i| {
+        let w = random_weights(rng, tys[i], rows[i], n_in);
+        let b = bias.then(|| rng.vec(rows[i]));
+        (Mat::new(dev, tys[i], &w, n_in, false), b)
+    });
+    Attn {
+        norm: rng.vec(n_in),
+        qkv,
+        n_heads,
+        n_kv,
+        head_dim,
+    }
+}
+
+#[test]
+fn attn_qkv_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(31);
+    use GgmlType::*;
+    // (types of q, k, v, n_in, heads, kv heads, head_dim): the model's, f16, K-quants
+    // (rows of whole 256-blocks), a row long enough to split over 4 warps, then every type at
+    // an odd shape (head_dim 10: pairs that are no power of two).
+    let mut cases = vec![
+        ([Q5_0, Q5_0, Q8_0], 896, 14, 2, 64),
+        ([F16, F16, F16], 896, 14, 2, 64),
+        ([Q4K, Q6K, Q5K], 1024, 8, 2, 64),
+        ([Q8_0, Q5_0, F32], 3584, 4, 1, 128),
+    ];
+    cases.extend(TYPES.map(|ty| ([ty, ty, ty], 256, 3, 1, 10)));
+    for (tys, n_in, n_heads, n_kv, hd) in cases {
+        for bias in [true, false] {
+            let a = random_attn(&dev, &mut rng, tys, n_in, n_heads, n_kv, hd, bias);
+            for pos in [0, 5, 1000] {
+                let what = format!(
+                    "{:?} {n_in} {n_heads}/{n_kv}x{hd} bias {bias} pos {pos}",
+                    tys.map(|t| t.name())
+                );
+                let err = check_attn_qkv(&dev, &a, &token(&mut rng, n_in), pos, &what);
+                println!("attn_qkv {what}: max err / sum|w*xn| = {err:.2e}");
+                assert!(err < TOL, "attn_qkv {what}: {err}");
+            }
+        }
+    }
+}
+
+#[test]
+fn ffn_gate_up_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(32);
+    use GgmlType::*;
+    // (type, n_in, n_out): the model's, f16, K-quants, a row split over 8 warps, then every
+    // type at an odd shape.
+    let mut cases = vec![
+        (Q5_0, 896, 4864),
+        (F16, 896, 4864),
+        (Q4K, 1024, 300),
+        (Q8_0, 7936, 40),
+    ];
+    cases.extend(TYPES.map(|ty| (ty, 256, 37)));
+    for (ty, n_in, n_out) in cases {
+        let [gate, up] = [0, 1].map(|_| {
+            let w = random_weights(&mut rng, ty, n_out, n_in);
+            Mat::new(&dev, ty, &w, n_in, false)
+        });
+        let norm = rng.vec(n_in);
+        let err = check_gate_up(&dev, &norm, &gate, &up, &token(&mut rng, n_in));
+        println!(
+            "ffn_gate_up {} {n_out}x{n_in}: max err / scale = {err:.2e}",
+            ty.name()
+        );
+        assert!(err < TOL, "ffn_gate_up {} {n_out}x{n_in}: {err}", ty.name());
+    }
+}
+
+#[test]
+fn gemv_residual_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(33);
+    use GgmlType::*;
+    // (type, n_in, n_out): the model's attention output and down projections (q5_0; q6_K and
+    // q4_K), in f16, then every type at odd shapes, one row split over 8 warps.
+    let mut cases = vec![
+        (Q5_0, 896, 896),
+        (Q6K, 4864, 896),
+        (Q4K, 4864, 896),
+        (F16, 4864, 896),
+    ];
+    cases.extend(TYPES.map(|ty| (ty, 256, 37)));
+    cases.extend(TYPES.map(|ty| (ty, 4608, 9)));
+    for (ty, n_in, n_out) in cases {
+        let w = Mat::new(
+            &dev,
+            ty,
+            &random_weights(&mut rng, ty, n_out, n_in),
+            n_in,
+            false,
+        );
+        for bias in [None, Some(rng.vec(n_out))] {
+            let v = rng.vec(n_in);
+            let err = check_residual(&dev, &mut rng, &w, bias.as_deref(), &v);
+            let what = format!("{} {n_out}x{n_in} bias {}", ty.name(), bias.is_some());
+            println!("gemv_residual {what}: max err / scale = {err:.2e}");
+            assert!(err < TOL, "gemv_residual {what}: {err}");
+        }
+    }
+}
+
+#[test]
+fn logits_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(34);
+    use GgmlType::*;
+    // (type, n_in, n_out): the model's vocabulary projection (q8_0, and f16), then every type
+    // at an odd shape.
+    let mut cases = vec![(Q8_0, 896, 151936), (F16, 896, 151936)];
+    cases.extend(TYPES.map(|ty| (ty, 256, 1001)));
+    for (ty, n_in, n_out) in cases {
+        let w = Mat::new(
+            &dev,
+            ty,
+            &random_weights(&mut rng, ty, n_out, n_in),
+            n_in,
+            false,
+        );
+        let what = format!("{} {n_out}x{n_in}", ty.name());
+        let err = check_logits(&dev, &rng.vec(n_in), &w, &token(&mut rng, n_in), &what);
+        println!("logits {what}: max err / sum|w*xn| = {err:.2e}");
+        assert!(err < TOL, "logits {what}: {err}");
+    }
+}
+
+/// The arg-max's rules on logits chosen through f32 weights: with `x = e_0` and a norm of
+/// ones, `logits[r] = w[r, 0]·sqrt(8)`, so each row's first weight sets its logit.
+#[test]
+fn logits_argmax_ties_nan_and_infinities() {
+    let Some(dev) = gpu() else { return };
+    let n_in = 8;
+    let mut x = vec![0.0f32; n_in];
+    x[0] = 1.0;
+    let norm = vec![1.0f32; n_in];
+    let n = 3000;
+    let with = |fill: f32, set: &[(usize, f32)]| {
+        let mut v = vec![fill; n];
+        for &(i, x) in set {
+            v[i] = x;
+        }
+        v
+    };
+    // (first weights, the expected arg-max): all NaN gives u32::MAX; -inf can win; ties go
+    // to the first index, across blocks too; -0 ties +0; NaN never wins.
+    let cases = [
+        (with(f32::NAN, &[]), u32::MAX),
+        (with(f32::NEG_INFINITY, &[]), 0),
+        (
+            with(f32::NAN, &[(2999, -1.0), (1500, f32::NEG_INFINITY)]),
+            2999,
+        ),
+        (
+            with(1.0, &[(0, f32::NAN), (2990, 2.0), (1700, 2.0), (2500, 2.0)]),
+            1700,
+        ),
+        (with(-0.0, &[(2000, 0.0)]), 0),
+        (with(-1.0, &[(2998, f32::INFINITY), (5, f32::NAN)]), 2998),
+    ];
+    for (first, want) in cases {
+        let mut w = vec![0.0f32; n * n_in];
+        for (r, v) in first.iter().enumerate() {
+            w[r * n_in] = *v;
+        }
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let m = Mat::new(&dev, GgmlType::F32, &bytes, n_in, false);
+        let mut logits = dev.zeros::<f32>(n).unwrap();
+        let mut best = dev.zeros::<u32>(1).unwrap();
+        let mut scratch = dev.logits_scratch().unwrap();
+        let (xd, nd) = (dev.upload(&x).unwrap(), dev.upload(&norm).unwrap());
+        dev.logits(
+            &mut logits,
+            &xd,
+            &nd,
+            EPS,
+            m.weight(),
+            Some((&mut best, &mut scratch)),
+        )
+        .unwrap();
+        let got = dev.download(&best).unwrap()[0];
+        assert_eq!(got, want, "arg-max of {:?}..", &first[..4]);
+        assert_eq!(got, cpu::argmax(&dev.download(&logits).unwrap()));
+    }
+}
+
+/// Row `id` of the real model's token embedding.
+fn embedding(g: &orcd::gguf::Gguf, id: usize) -> Vec<f32> {
+    let t = g.tensor("token_embd.weight").unwrap();
+    let rb = t.ty.row_bytes(t.shape[0] as usize).unwrap();
+    quant::dequantize_to_vec(t.ty, &g.tensor_data(t)[id * rb..(id + 1) * rb]).unwrap()
+}
+
+/// The real model's layers 0 and 11 (weights in the file's types and in f16), the token
+/// embedding of a few ids as `x`.
+#[test]
+fn decode_kernels_on_real_layers() {
+    let Some(dev) = gpu() else { return };
+    let g = orcd_tests::gguf();
+    let cfg = orcd::config::Config::from_gguf(g).unwrap();
+    let mut rng = Rng::new(35);
+    let tensor = |name: &str| {
+        let t = g.tensor(name).unwrap();
+        (t.ty, g.tensor_data(t), t.shape[0] as usize)
+    };
+    let f32s = |name: &str| {
+        let (ty, bytes, _) = tensor(name);
+        quant::dequantize_to_vec(ty, bytes).unwrap()
+    };
+    let x_of = |id: usize| embedding(g, id);
+    for layer in [0, 11] {
+        for as_f16 in [false, true] {
+            let mat = |name: &str| {
+                let (ty, bytes, n_in) = tensor(&format!("blk.{layer}.{name}.weight"));
+                Mat::new(&dev, ty, bytes, n_in, as_f16)
+            };
+            let bias = |name: &str| Some(f32s(&format!("blk.{layer}.{name}.bias")));
+            let a = Attn {
+                norm: f32s(&format!("blk.{layer}.attn_norm.weight")),
+                qkv: [
+                    (mat("attn_q"), bias("attn_q")),
+                    (mat("attn_k"), bias("attn_k")),
+                    (mat("attn_v"), bias("attn_v")),
+                ],
+                n_heads: cfg.n_heads,
+                n_kv: cfg.n_kv_heads,
+                head_dim: cfg.head_dim,
+            };
+            let (wo, gate, up, down) = (
+                mat("attn_output"),
+                mat("ffn_gate"),
+                mat("ffn_up"),
+                mat("ffn_down"),
+            );
+            let ffn_norm = f32s(&format!("blk.{layer}.ffn_norm.weight"));
+            for (id, pos) in [(9707, 0), (151644, 17), (1350, 4000)] {
+                let x = x_of(id);
+                let what = format!("layer {layer} {} token {id} pos {pos}", a.qkv[0].0.name());
+                let err = check_attn_qkv(&dev, &a, &x, pos, &what);
+                println!("attn_qkv {what}: max err / sum|w*xn| = {err:.2e}");
+                assert!(err < TOL, "attn_qkv {what}: {err}");
+                let err = check_gate_up(&dev, &ffn_norm, &gate, &up, &x);
+                println!("ffn_gate_up {what}: max err / scale = {err:.2e}");
+                assert!(err < TOL, "ffn_gate_up {what}: {err}");
+                // The attention output (here random) onto the residual, and the FFN's.
+                let v = rng.vec(wo.n_in);
+                let err = check_residual(&dev, &mut rng, &wo, None, &v);
+                println!("gemv_residual attn_output {what}: max err / scale = {err:.2e}");
+                assert!(err < TOL, "gemv_residual attn_output {what}: {err}");
+                let h: Vec<f32> = rng.vec(down.n_in).iter().map(|v| v * 0.5).collect();
+                let err = check_residual(&dev, &mut rng, &down, None, &h);
+                println!(
+                    "gemv_residual ffn_down ({}) {what}: max err / scale = {err:.2e}",
+                    down.name()
+                );
+                assert!(err < TOL, "gemv_residual ffn_down {what}: {err}");
+            }
+        }
+    }
+}
+
+/// The real output projection and norm, on token embeddings and on random states.
+#[test]
+fn logits_on_real_output() {
+    let Some(dev) = gpu() else { return };
+    let g = orcd_tests::gguf();
+    let mut rng = Rng::new(36);
+    let t = g.tensor("output.weight").unwrap();
+    let n_in = t.shape[0] as usize;
+    let nt = g.tensor("output_norm.weight").unwrap();
+    let norm = quant::dequantize_to_vec(nt.ty, g.tensor_data(nt)).unwrap();
+    for as_f16 in [false, true] {
+        let w = Mat::new(&dev, t.ty, g.tensor_data(t), n_in, as_f16);
+        let xs = [embedding(g, 9707), embedding(g, 198), token(&mut rng, n_in)];
+        for (i, x) in xs.iter().enumerate() {
+            let what = format!("output.weight {} x{i}", w.name());
+            let err = check_logits(&dev, &norm, &w, x, &what);
+            println!("logits {what}: max err / sum|w*xn| = {err:.2e}");
+            assert!(err < TOL, "logits {what}: {err}");
+        }
+    }
+}
+
+#[test]
+fn decode_kernels_refuse_bad_shapes() {
+    let Some(dev) = gpu() else { return };
+    let (n_in, n_out) = (64, 8);
+    let w = dev.zeros::<u8>(34 * 2 * n_out + 16).unwrap();
+    let q8 = Weight::Raw(&w, GgmlType::Q8_0);
+    let x = dev.zeros::<f32>(n_in).unwrap();
+    let mut y = dev.zeros::<f32>(n_out + 1).unwrap();
+    let msg = |r: orcd::Result<()>| r.unwrap_err().to_string();
+    // 9 rows of y, but w holds 8 rows of q8_0 and 16 bytes.
+    assert_eq!(
+        msg(dev.gemv_residual(&mut y, q8, None, &x)),
+        "gemv_residual: shapes do not match"
+    );
+    let wv = w.slice(..34 * 2 * n_out);
+    let mut y = dev.zeros::<f32>(n_out).unwrap();
+    dev.gemv_residual(&mut y, Weight::Raw(&wv, GgmlType::Q8_0), None, &x)
+        .unwrap();
+    // Rows that are not whole blocks, vectors that are not whole groups of 8, weights that do
+    // not start 16-byte aligned.
+    assert_eq!(
+        msg(dev.gemv_residual(&mut y, Weight::Raw(&wv, GgmlType::Q4K), None, &x)),
+        "gemv_residual: rows of 64 are not a whole number of 256-element q4_K blocks"
+    );
+    let x60 = dev.zeros::<f32>(60).unwrap();
+    assert_eq!(
+        msg(dev.gemv_residual(&mut y, Weight::Raw(&wv, GgmlType::F32), None, &x60)),
+        "gemv_residual: vectors of 60 are not a whole number of groups of 8"
+    );
+    let w2 = w.slice(2..2 + 34 * 2 * n_out);
+    assert_eq!(
+        msg(dev.gemv_residual(&mut y, Weight::Raw(&w2, GgmlType::Q8_0), None, &x)),
+        "gemv_residual: vectors and weights must start 16-byte aligned"
+    );
+    // Gate and up of two types; a norm of the wrong length.
+    let w16 = dev.zeros::<f16>(n_in * n_out).unwrap();
+    let norm = dev.zeros::<f32>(n_in).unwrap();
+    assert_eq!(
+        msg(dev.ffn_gate_up(
+            &mut y,
+            &x,
+            &norm,
+            EPS,
+            Weight::Raw(&wv, GgmlType::Q8_0),
+            Weight::F16(&w16)
+        )),
+        "ffn_gate_up: gate (q8_0) and up (f16) must have one type"
+    );
+    assert!(
+        dev.ffn_gate_up(&mut y, &x, &x60, EPS, Weight::F16(&w16), Weight::F16(&w16))
+            .is_err()
+    );
+    // A row too long to hold in registers.
+    let long = dev.zeros::<f32>(8200).unwrap();
+    let wl = dev.zeros::<f16>(8200).unwrap();
+    let mut one = dev.zeros::<f32>(1).unwrap();
+    assert_eq!(
+        msg(dev.logits(&mut one, &long, &long, EPS, Weight::F16(&wl), None)),
+        "logits: rows of 8200 are longer than the kernel's 8192"
+    );
+    // attn_qkv: an odd head_dim, caches that are not whole rows.
+    let (mut q, mut kc, mut vc) = (
+        dev.zeros::<f32>(2 * 6).unwrap(),
+        dev.zeros::<f32>(3 * 6).unwrap(),
+        dev.zeros::<f32>(3 * 6).unwrap(),
+    );
+    let pos = dev.zeros::<u32>(1).unwrap();
+    let rope = dev.rope_table(4, 6, THETA).unwrap();
+    let wq = dev.zeros::<f16>(12 * n_in).unwrap();
+    let wkv = dev.zeros::<f16>(6 * n_in).unwrap();
+    let qkv = [Weight::F16(&wq), Weight::F16(&wkv), Weight::F16(&wkv)].map(|w| (w, None));
+    dev.attn_qkv(
+        &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, 2, 1,
+    )
+    .unwrap();
+    assert_eq!(
+        msg(dev.attn_qkv(
+            &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, 4, 1
+        )),
+        "attn_qkv: n_heads, n_kv_heads and q (an even head_dim) do not match"
+    );
+    let mut kc5 = dev.zeros::<f32>(17).unwrap();
+    let mut vc5 = dev.zeros::<f32>(17).unwrap();
+    assert!(
+        dev.attn_qkv(
+            &mut q, &mut kc5, &mut vc5, &x, &norm, EPS, qkv, &pos, &rope, 2, 1
+        )
+        .is_err()
+    );
+    dev.synchronize().unwrap();
+}
