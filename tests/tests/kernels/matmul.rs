@@ -902,7 +902,15 @@ fn matmul_large_tiny_and_out_of_range_activations() {
                 "matmul {wname} attn_q rows={rows}, {what}: max err / sum|x*w| = {err:.2e} \
                  ({of_bound:.2} of the bound)"
             );
-            assert!(of_bound <= 1.0, "matmul {wname}, {what}: {err}");
+            if what.starts_with("beyond f16") {
+                // Those tiles run the f32 loop, held to the f32 GEMM's tolerance: one product
+                // 1e3 times the others makes every later addition round at the big sum's ulp,
+                // so the error grows to ~n_in·eps of sum|x*w| (measured 3.3e-6), in the CPU
+                // twin's sum too.
+                assert!(err <= 1e-5, "matmul {wname}, {what}: {err}");
+            } else {
+                assert!(of_bound <= 1.0, "matmul {wname}, {what}: {err}");
+            }
         }
     }
 }
