@@ -26,6 +26,7 @@ use crate::cpu::model::CpuModel;
 use crate::cuda::Device;
 use crate::cuda::model::{CudaModel, WeightFormat};
 use crate::gguf::Gguf;
+use crate::models::Progress;
 use crate::sampling::{SamplingParams, sample};
 use crate::tokenizer::{StreamDecoder, Tokenizer};
 use crate::{Error, Result};
@@ -207,6 +208,15 @@ impl Engine {
     /// Loads the model at `path` for `opts.device`. With `Auto` and no GPU it runs on the CPU
     /// and `notice` says why.
     pub fn load(path: &Path, opts: &LoadOptions) -> Result<Engine> {
+        Engine::load_with(path, opts, &mut |_| {})
+    }
+
+    /// `load`, telling `progress` how the upload of the weights to the GPU goes.
+    pub fn load_with(
+        path: &Path,
+        opts: &LoadOptions,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<Engine> {
         let t0 = Instant::now();
         let g = Gguf::open(path)?;
         let tokenizer = Tokenizer::from_gguf(&g)?;
@@ -222,7 +232,7 @@ impl Engine {
         let (model, device, vocab) = match gpu {
             Some(dev) => {
                 let name = dev.name()?;
-                let m = CudaModel::load(dev, &g, ctx, opts.weights)?;
+                let m = CudaModel::load(dev, &g, ctx, opts.weights, progress)?;
                 let vocab = m.cfg.vocab;
                 (Model::Cuda(m), name, vocab)
             }

@@ -22,7 +22,7 @@ fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
     if cell.get().is_none() {
         let dev = orcd_tests::gpu()?;
         let _ = cell.set(Mutex::new(
-            CudaModel::load(dev, gguf(), 4096, weights).unwrap(),
+            CudaModel::load(dev, gguf(), 4096, weights, &mut |_| {}).unwrap(),
         ));
     }
     Some(cell.get().unwrap().lock().unwrap())

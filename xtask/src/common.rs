@@ -46,7 +46,8 @@ impl ModelArgs {
             ctx,
             weights,
         };
-        let engine = Engine::load(&self.path()?, &opts).map_err(|e| match e {
+        let engine = Engine::load_with(&self.path()?, &opts, &mut crate::fetch_model::progress())
+            .map_err(|e| match e {
             orcd::Error::NoCudaDriver | orcd::Error::NoCudaDevice => {
                 anyhow::anyhow!("--device cuda: {e}; use --device cpu or auto")
             }

@@ -6,6 +6,8 @@
 //! `WeightFormat::F16`, dequantized to f16 at load; the embedding table in the file's type;
 //! norms and biases f32. The KV cache and every activation buffer are allocated at load, so
 //! nothing is allocated per token.
+use std::cell::{Cell, RefCell};
+
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 use half::f16;
@@ -13,7 +15,8 @@ use half::f16;
 use super::decode::Weight;
 use super::{AttentionScratch, Device};
 use crate::config::Config;
-use crate::gguf::Gguf;
+use crate::gguf::{Gguf, TensorInfo};
+use crate::models::Progress;
 use crate::quant::{GgmlType, dequantize_f16, dequantize_to_vec};
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
@@ -167,17 +170,44 @@ pub struct CudaModel {
 impl CudaModel {
     /// Uploads the weights of `g` and allocates a KV cache of `max_ctx` positions. Fails with
     /// what is needed and what is free when the GPU's memory is too small.
-    pub fn load(dev: Device, g: &Gguf, max_ctx: usize, format: WeightFormat) -> Result<CudaModel> {
+    /// `progress` hears of the upload: a step, then the bytes of tensors uploaded so far.
+    pub fn load(
+        dev: Device,
+        g: &Gguf,
+        max_ctx: usize,
+        format: WeightFormat,
+        progress: &mut dyn FnMut(Progress),
+    ) -> Result<CudaModel> {
         let cfg = Config::from_gguf(g)?;
         cfg.check_tensors(g)?;
         let max_ctx = max_ctx.min(cfg.ctx_len);
         let free_before = check_memory(&dev, &cfg, g, max_ctx, format)?;
 
-        let f32s = |name: &str| -> Result<CudaSlice<f32>> {
+        progress(Progress::Step(&format!(
+            "uploading weights to {}",
+            dev.name()?
+        )));
+        let embd = g.tensor("token_embd.weight")?;
+        let total = g.tensors().iter().map(|t| t.bytes).sum::<u64>()
+            + if cfg.tied_output { embd.bytes } else { 0 };
+        let (done, progress) = (Cell::new(0u64), RefCell::new(progress));
+        let uploaded = |name: &str| -> Result<&TensorInfo> {
             let t = g.tensor(name)?;
+            done.set(done.get() + t.bytes);
+            (progress.borrow_mut())(Progress::Bytes {
+                done: done.get(),
+                total,
+            });
+            Ok(t)
+        };
+        let f32s = |name: &str| -> Result<CudaSlice<f32>> {
+            let t = uploaded(name)?;
             dev.upload(&dequantize_to_vec(t.ty, g.tensor_data(t))?)
         };
-        let matrix = |name: &str| Matrix::load(&dev, g, name, format);
+        let matrix = |name: &str| {
+            uploaded(name)?;
+            Matrix::load(&dev, g, name, format)
+        };
         let kv_len = max_ctx * cfg.kv_dim();
         let layers = (0..cfg.n_layers)
             .map(|l| {
@@ -200,7 +230,6 @@ impl CudaModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let embd = g.tensor("token_embd.weight")?;
         let output_name = if cfg.tied_output {
             "token_embd.weight"
         } else {
@@ -224,7 +253,7 @@ impl CudaModel {
             step: dev.zeros(1)?,
         };
         Ok(CudaModel {
-            token_embd: dev.upload(g.tensor_data(embd))?,
+            token_embd: dev.upload(g.tensor_data(uploaded("token_embd.weight")?))?,
             token_embd_ty: embd.ty,
             layers,
             output_norm: f32s("output_norm.weight")?,
