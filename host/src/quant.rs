@@ -55,6 +55,19 @@ pub enum GgmlType {
 }
 
 impl GgmlType {
+    /// Every type this engine reads.
+    pub const ALL: [GgmlType; 9] = [
+        GgmlType::F32,
+        GgmlType::F16,
+        GgmlType::BF16,
+        GgmlType::Q4_0,
+        GgmlType::Q5_0,
+        GgmlType::Q8_0,
+        GgmlType::Q4K,
+        GgmlType::Q5K,
+        GgmlType::Q6K,
+    ];
+
     /// The type for a ggml type id, or `None` for ids this engine does not support.
     pub fn from_id(id: u32) -> Option<Self> {
         use GgmlType::*;

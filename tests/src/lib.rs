@@ -79,6 +79,16 @@ pub struct RefPrompt {
 }
 
 impl RefPrompt {
+    /// Prompt and reference generation: what teacher forcing feeds.
+    pub fn sequence(&self) -> Vec<u32> {
+        self.ids.iter().chain(&self.generated).copied().collect()
+    }
+
+    /// The row of `logits` (every position of `sequence()`) that predicts generated token `i`.
+    pub fn row<'a>(&self, logits: &'a [f32], vocab: usize, i: usize) -> &'a [f32] {
+        &logits[(self.ids.len() - 1 + i) * vocab..][..vocab]
+    }
+
     /// The reference's top-1 minus top-2 logit at generated position `i`.
     pub fn margin(&self, i: usize) -> f32 {
         self.top5_vals[i][0] - self.top5_vals[i][1]

@@ -8,12 +8,11 @@ fn teacher_forced_logits_match_reference() {
     let (mut agree, mut total) = (0, 0);
     for p in ref_prompts() {
         m.reset();
-        let seq: Vec<u32> = p.ids.iter().chain(&p.generated).copied().collect();
-        let logits = m.forward(&seq, true).unwrap();
+        let logits = m.forward(&p.sequence(), true).unwrap();
         let mut worst = 0.0f32;
         for i in 0..p.generated.len() {
             // Position i of the generation is predicted by the logits after token ids.len()-1+i.
-            let row = &logits[(p.ids.len() - 1 + i) * vocab..][..vocab];
+            let row = p.row(&logits, vocab, i);
             let top1 = orcd::cpu::argmax(row);
             let (want, want_logit) = (p.top5_ids[i][0], p.top5_vals[i][0]);
             total += 1;
@@ -80,10 +79,9 @@ fn top5_logits_match_reference() {
     let vocab = m.cfg.vocab;
     for p in ref_prompts() {
         m.reset();
-        let seq: Vec<u32> = p.ids.iter().chain(&p.generated).copied().collect();
-        let logits = m.forward(&seq, true).unwrap();
+        let logits = m.forward(&p.sequence(), true).unwrap();
         for i in 0..p.generated.len() {
-            let row = &logits[(p.ids.len() - 1 + i) * vocab..][..vocab];
+            let row = p.row(&logits, vocab, i);
             let mut order: Vec<u32> = (0..vocab as u32).collect();
             order.sort_by(|a, b| row[*b as usize].total_cmp(&row[*a as usize]));
             for (k, &got) in order.iter().take(5).enumerate() {

@@ -36,10 +36,9 @@ fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
     let (mut agree, mut total, mut worst) = (0, 0, 0.0f32);
     for p in ref_prompts() {
         m.reset();
-        let seq: Vec<u32> = p.ids.iter().chain(&p.generated).copied().collect();
-        let logits = m.forward(&seq, true).unwrap();
+        let logits = m.forward(&p.sequence(), true).unwrap();
         for i in 0..p.generated.len() {
-            let row = &logits[(p.ids.len() - 1 + i) * vocab..][..vocab];
+            let row = p.row(&logits, vocab, i);
             let (top1, want) = (orcd::cpu::argmax(row), p.top5_ids[i][0]);
             total += 1;
             if top1 == want {

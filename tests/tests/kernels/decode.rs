@@ -23,18 +23,8 @@ const TOL: f32 = 1e-5;
 const EPS: f32 = 1e-6;
 const THETA: f32 = 1e6;
 
-/// Every weight type the kernels read.
-const TYPES: [GgmlType; 9] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q5_0,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+/// Every weight type the engine reads.
+const TYPES: [GgmlType; 9] = GgmlType::ALL;
 
 fn abs(v: &[f32]) -> Vec<f32> {
     v.iter().map(|v| v.abs()).collect()

@@ -252,17 +252,7 @@ fn matmul_f16_unaligned_views_and_bad_shapes() {
 }
 
 /// Every weight type the engine reads.
-const TYPES: [GgmlType; 9] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q5_0,
-    GgmlType::Q8_0,
-    GgmlType::Q4K,
-    GgmlType::Q5K,
-    GgmlType::Q6K,
-];
+const TYPES: [GgmlType; 9] = GgmlType::ALL;
 
 /// `matmul_q` dequantizes exactly as `quant::dequantize` does, so against `cpu::matmul` on
 /// the dequantized weights the only difference is the order of the f32 sums and FMA: the
