@@ -289,8 +289,14 @@ fn parse(path: &Path, buf: &[u8]) -> Result<Header> {
     };
     let magic = r.take(4)?;
     if magic != MAGIC {
+        // Shown as text (escaped where not printable ASCII), as a user would recognise it.
+        let shown: String = magic
+            .iter()
+            .flat_map(|b| b.escape_ascii())
+            .map(char::from)
+            .collect();
         return Err(r.error(format!(
-            "bad magic {magic:02x?}: not a GGUF file (expected \"GGUF\")"
+            "not a GGUF file: it starts with \"{shown}\", not \"GGUF\""
         )));
     }
     r.ctx = "version".into();

@@ -80,7 +80,11 @@ fn malformed_cases() -> Vec<(PathBuf, &'static str)> {
 
     // The GGUF reader.
     case("empty", vec![], "truncated header: magic ends at byte 4");
-    case("bad_magic", at(0..4, b"GGML"), "bad magic");
+    case(
+        "bad_magic",
+        at(0..4, b"GGML"),
+        "not a GGUF file: it starts with \"GGML\"",
+    );
     case(
         "version4",
         at(4..8, &4u32.to_le_bytes()),
