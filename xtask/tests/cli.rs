@@ -491,7 +491,9 @@ fn cuda_without_a_gpu_is_a_one_line_error() {
     assert_eq!(out.status.code(), Some(1));
     let stderr = text(&out.stderr);
     assert!(
-        stderr.starts_with("error: no CUDA") && stderr.lines().count() == 1,
+        stderr.starts_with("error: --device cuda: no CUDA")
+            && stderr.trim_end().ends_with("; use --device cpu or auto")
+            && stderr.lines().count() == 1,
         "{stderr}"
     );
 }
