@@ -540,3 +540,28 @@ fn uniform(seed: u64, step: u64) -> f32 {
     z ^= z >> 31;
     (z >> 40) as f32 / 16_777_216.0
 }
+
+/// The end of a greedy decode step whose token the output projection's fused arg-max already
+/// put in `out[0]` (no pass over the logits here): as `sample_dev` ends, the token goes to
+/// `tokens[pos[0] + 1]` (not past `n_tokens`), then `pos[0]` and `step[0]` advance by one.
+/// An arg-max over all-NaN logits (`u32::MAX`) becomes token 0, as the CPU sampler picks.
+/// Grid: one block; block: one thread.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn advance(
+    out: *mut u32,
+    tokens: *mut u32,
+    n_tokens: u32,
+    pos: *mut u32,
+    step: *mut u64,
+) {
+    unsafe {
+        let p0 = *pos;
+        let token = if *out == u32::MAX { 0 } else { *out };
+        *out = token;
+        if p0 + 1 < n_tokens {
+            *tokens.add(p0 as usize + 1) = token;
+        }
+        *pos = p0 + 1;
+        *step += 1;
+    }
+}

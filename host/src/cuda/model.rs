@@ -133,6 +133,8 @@ struct Buffers {
     attn: AttentionScratch,
     /// Draws of the sampler so far: the sampler's `step`, advanced on the device.
     step: CudaSlice<u64>,
+    /// Scratch of the output projection's fused arg-max.
+    best: CudaSlice<u64>,
 }
 
 /// One decode step captured as a CUDA graph, with the sampling it was captured for.
@@ -251,6 +253,7 @@ impl CudaModel {
             next: dev.zeros(1)?,
             attn: dev.attention_scratch(cfg.n_heads, cfg.head_dim)?,
             step: dev.zeros(1)?,
+            best: dev.logits_scratch()?,
         };
         Ok(CudaModel {
             token_embd: dev.upload(g.tensor_data(uploaded("token_embd.weight")?))?,
@@ -461,24 +464,25 @@ impl CudaModel {
             dev.gemv_residual(&mut x, w.w_down.weight(), None, &h)?;
         }
 
-        // Final norm and output projection, then the next token, written to tokens[pos + 1].
+        // Final norm and output projection, then the next token, written to tokens[pos + 1]:
+        // greedy takes the projection's fused arg-max, sampling reads the logits.
         let mut logits = b.logits.slice_mut(..c.vocab);
-        dev.logits(
-            &mut logits,
-            &x,
-            &self.output_norm,
-            eps,
-            self.output.weight(),
-            None,
-        )?;
-        dev.sample_dev(
-            &mut b.next,
-            &mut logits,
-            &mut b.tokens,
-            &mut b.pos,
-            &mut b.step,
-            p,
-        )
+        let (out_norm, output) = (&self.output_norm, self.output.weight());
+        if p.temperature == 0.0 && p.repeat_penalty == 1.0 {
+            let best = Some((&mut b.next as &mut dyn DevicePtrMut<u32>, &mut b.best));
+            dev.logits(&mut logits, &x, out_norm, eps, output, best)?;
+            dev.advance(&mut b.next, &mut b.tokens, &mut b.pos, &mut b.step)
+        } else {
+            dev.logits(&mut logits, &x, out_norm, eps, output, None)?;
+            dev.sample_dev(
+                &mut b.next,
+                &mut logits,
+                &mut b.tokens,
+                &mut b.pos,
+                &mut b.step,
+                p,
+            )
+        }
     }
 
     /// One forward step over at most `MAX_BATCH` tokens; leaves the logits of the last token
