@@ -3,7 +3,7 @@
 use half::f16;
 use orcd::cpu;
 use orcd::cuda::Device;
-use orcd::gguf::Gguf;
+use orcd::gguf::{Gguf, TensorInfo};
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
 use std::collections::HashSet;
@@ -376,34 +376,46 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
     }
 }
 
-#[test]
-fn matmul_q_on_real_weights() {
-    let Some(dev) = gpu() else { return };
-    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
-    let mut rng = Rng::new(18);
+/// Calls `f` on the first matrix of every distinct (type, shape) in the model's file
+/// (attn_q/k/output, ffn_gate/up and token_embd in q5_0, attn_v and output in q8_0, ffn_down in
+/// q4_K or q6_K by layer), one at a time: the tensor, `n_in`, `n_out`, its f32 weights, and its
+/// own bias (attn_q/k/v) or a random one. Returns the types seen.
+fn each_distinct_matrix(
+    g: &Gguf,
+    rng: &mut Rng,
+    mut f: impl FnMut(&TensorInfo, &mut Rng, usize, usize, &[f32], &[f32]),
+) -> HashSet<GgmlType> {
     let mut seen = HashSet::new();
-    // The first matrix of every distinct (type, shape) in the file: attn_q/k/output, ffn_gate/up
-    // and token_embd (q5_0), attn_v and output (q8_0), ffn_down (q4_K or q6_K by layer).
     for t in g.tensors().iter().filter(|t| t.shape.len() == 2) {
         if !seen.insert((t.ty, t.shape.clone())) {
             continue;
         }
         // ggml order: shape[0] is the row length.
         let (n_in, n_out) = (t.shape[0] as usize, t.shape[1] as usize);
-        let data = g.tensor_data(t);
-        let w32 = quant::dequantize_to_vec(t.ty, data).unwrap();
-        // The matrix's own bias (attn_q/k/v), else a random one.
+        let w32 = quant::dequantize_to_vec(t.ty, g.tensor_data(t)).unwrap();
         let bias = match g.tensor(&t.name.replace(".weight", ".bias")) {
             Ok(b) => quant::dequantize_to_vec(b.ty, g.tensor_data(b)).unwrap(),
             Err(_) => rng.vec(n_out),
         };
+        f(t, rng, n_in, n_out, &w32, &bias);
+    }
+    seen.iter().map(|(ty, _)| *ty).collect()
+}
+
+#[test]
+fn matmul_q_on_real_weights() {
+    let Some(dev) = gpu() else { return };
+    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
+    let mut rng = Rng::new(18);
+    let types = each_distinct_matrix(&g, &mut rng, |t, rng, n_in, n_out, w32, bias| {
+        let data = g.tensor_data(t);
         let gpu = q_matmul(&dev, data, t.ty, n_in, n_out, 0);
         for rows in [1, 47] {
             // The vocabulary-sized ones only for decode: their CPU twin is slow.
             if n_out > 100_000 && rows > 1 {
                 continue;
             }
-            let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
+            let err = matmul_err(rng, &gpu, w32, bias, n_in, rows);
             let what = format!(
                 "matmul_q {} ({}) rows={rows} {n_out}x{n_in}",
                 t.name,
@@ -412,8 +424,7 @@ fn matmul_q_on_real_weights() {
             println!("{what}: max err / sum|x*w| = {err:.2e}");
             assert!(err < MATMUL_TOL, "{what}: {err}");
         }
-    }
-    let types: HashSet<GgmlType> = seen.iter().map(|(ty, _)| *ty).collect();
+    });
     assert!(
         [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
             .iter()
@@ -809,18 +820,8 @@ fn matmul_q_prefill_on_real_weights() {
     let Some(dev) = gpu() else { return };
     let g = Gguf::open(&orcd_tests::model_path()).unwrap();
     let mut rng = Rng::new(21);
-    let mut seen = HashSet::new();
-    for t in g.tensors().iter().filter(|t| t.shape.len() == 2) {
-        if !seen.insert((t.ty, t.shape.clone())) {
-            continue;
-        }
-        let (n_in, n_out) = (t.shape[0] as usize, t.shape[1] as usize);
+    each_distinct_matrix(&g, &mut rng, |t, rng, n_in, n_out, w32, bias| {
         let data = g.tensor_data(t);
-        let w32 = quant::dequantize_to_vec(t.ty, data).unwrap();
-        let bias = match g.tensor(&t.name.replace(".weight", ".bias")) {
-            Ok(b) => quant::dequantize_to_vec(b.ty, g.tensor_data(b)).unwrap(),
-            Err(_) => rng.vec(n_out),
-        };
         // Every output, or for the vocabulary every 61st and the last (the CPU's share).
         let cols: Vec<usize> = if n_out > 100_000 {
             (0..n_out).step_by(61).chain([n_out - 1]).collect()
@@ -830,8 +831,8 @@ fn matmul_q_prefill_on_real_weights() {
         let gpu = q_matmul(&dev, data, t.ty, n_in, n_out, 0);
         for rows in [512, 513] {
             let x = rng.vec(rows * n_in);
-            let y = gpu(&x, Some(&bias), rows);
-            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w32, &bias, n_in, &cols);
+            let y = gpu(&x, Some(bias), rows);
+            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, w32, bias, n_in, &cols);
             let what = format!(
                 "matmul_q {} ({}) rows={rows} {n_out}x{n_in}",
                 t.name,
@@ -840,7 +841,7 @@ fn matmul_q_prefill_on_real_weights() {
             println!("{what}: max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)");
             assert!(of_bound <= 1.0, "{what}: {err}");
         }
-    }
+    });
 }
 
 /// Activations far from 1: large ones (|x| up to 1e3, as after some of the model's layers),
