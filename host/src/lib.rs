@@ -8,11 +8,15 @@ pub mod engine;
 pub mod error;
 pub mod gguf;
 pub mod models;
+pub mod pack;
 pub mod quant;
 pub mod sampling;
 pub mod tokenizer;
 
 pub use error::{Error, Result};
 
-/// The PTX of every kernel in `gpu-kernels/`, built by `build.rs`.
+/// The PTX of every kernel in `gpu-kernels/`, built by `build.rs` for sm_80 and newer.
 pub const PTX: &str = include_str!(env!("ORCD_PTX"));
+/// The same kernels for sm_90 and newer, with programmatic dependent launch: the decode step's
+/// kernels may start while the one before them finishes (see `cuda::Device::launcher`).
+pub const PTX_SM90: &str = include_str!(env!("ORCD_PTX_SM90"));

@@ -267,7 +267,7 @@ fn dequantize_q8_0_block(b: &[u8; 34], y: &mut [f32; 32]) {
 /// sub-blocks 0..4 keep theirs in the low 6 bits of bytes `j` (scale) and `j + 4` (min);
 /// sub-blocks 4..8 keep their low 4 bits in the nibbles of byte `j + 4` (scale low, min high)
 /// and their top 2 bits in the top 2 bits of bytes `j - 4` (scale) and `j` (min).
-fn scale_min_k4(j: usize, s: &[u8; 12]) -> (u8, u8) {
+pub(crate) fn scale_min_k4(j: usize, s: &[u8; 12]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {
