@@ -4,23 +4,186 @@
 //! kv head `h / (n_heads / n_kv)`. The current position `pos[0]` lives in device memory (so a
 //! captured CUDA graph replays for any position): every loop over keys takes its bound from it,
 //! and no launch size depends on it. A position past the cache's end traps the kernel.
-use core::arch::nvptx;
+//!
+//! Both attention kernels are written once, generic over the padded head dim `D` (64 or 128:
+//! shared tiles and registers are sized by it, dims from `head_dim` on are zeros) and `VEC`
+//! (`head_dim == D` and every buffer 16-byte aligned: vector loads and stores without bounds
+//! on the dims). Each kernel takes `D = 64` with `VEC` for head_dim 64 with aligned buffers
+//! (the model), and `D = 128` without for everything else (any head_dim 1..=128).
+use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    WARP, block, block_dim, exp, shared, sync_threads, thread, threadfence, warp_broadcast,
-    warp_max, warp_sum,
+    WARP, block, block_dim, exp, f16_to_f32, grid_dim, release_next, shared, sync_threads, thread,
+    wait_for_inputs, warp_max, warp_sum,
 };
 
-/// Head dims up to `32 * MAX_DIMS_PER_LANE` = 128: each lane of a warp owns the output dims
-/// `lane + 32 * j`.
-const MAX_DIMS_PER_LANE: usize = 4;
-/// Keys per tile of both attention kernels: one per lane.
-const TILE_KEYS: u32 = WARP;
-/// Elements of a tile each thread loads before storing any (`stage_tile`).
-const STAGE_BATCH: usize = 8;
-/// Partials the decode kernel's combine loads before using any.
-const COMBINE_BATCH: usize = 8;
+/// Threads of a block of either attention kernel: 8 warps.
+const THREADS: u32 = 256;
+/// Keys of one tile: one per lane (decode), one warp's share of a round (prefill).
+const TILE_KEYS: u32 = 32;
+/// Most key slices the decode kernel's combine takes (its grid's y).
+const MAX_SPLITS: u32 = 64;
+/// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
+const PREFILL_ROWS: u32 = 64;
+/// The tensor-core products split each f32 operand in two f16 halves, `v ≈ hi + lo / LO_SCALE`
+/// with `hi = f16(v)` and `lo = f16((v - hi)·LO_SCALE)` (as matmul.rs's `gemm_mma`): scaled so
+/// that `lo` is a normal f16 wherever `hi` is. `hi + lo / LO_SCALE` is `v` to 2^-22 of it while
+/// `|v| >= 2^-14`, and to 2^-36 absolute below.
+const LO_SCALE: f32 = 2048.0;
+
+/// `for $i in 0..$n { $body }` written out, so that every index into an array is a constant and
+/// the array stays in registers (LLVM does not fully unroll loops whose bodies hold many `mma`s
+/// or shuffles). `$n` is a literal (2, 4, 8 or 32), or an expression that folds to a constant
+/// with its largest value after a `;`.
+macro_rules! unroll {
+    ($i:ident in 0..$n:tt, $body:block) => {
+        unroll!($i in 0..$n; $n, $body)
+    };
+    ($i:ident in 0..$n:expr; 2, $body:block) => {
+        unroll!(@ $i, $n, $body; 0 1)
+    };
+    ($i:ident in 0..$n:expr; 4, $body:block) => {
+        unroll!(@ $i, $n, $body; 0 1 2 3)
+    };
+    ($i:ident in 0..$n:expr; 8, $body:block) => {
+        unroll!(@ $i, $n, $body; 0 1 2 3 4 5 6 7)
+    };
+    ($i:ident in 0..$n:expr; 32, $body:block) => {
+        unroll!(@ $i, $n, $body;
+            0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 21 22 23 24 25 26 27 28 29 30 31)
+    };
+    (@ $i:ident, $n:expr, $body:block; $($k:literal)*) => {
+        $(
+            if $k < $n {
+                let $i: usize = $k;
+                $body
+            }
+        )*
+    };
+}
+
+/// 16 bytes, for one vector access of 4 floats.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct F32x4([f32; 4]);
+
+/// 8 bytes, for one vector access of 2 floats.
+#[repr(C, align(8))]
+#[derive(Clone, Copy)]
+struct F32x2([f32; 2]);
+
+#[inline(always)]
+fn fma(a: f32, b: f32, c: f32) -> f32 {
+    core::intrinsics::fmaf32(a, b, c)
+}
+
+#[inline(always)]
+fn aligned16<T>(p: *const T) -> bool {
+    (p as usize).is_multiple_of(16)
+}
+
+/// `N` (2 or 4) floats at `p`, `4N`-byte aligned: one vector load.
+#[inline(always)]
+unsafe fn load_n<const N: usize>(p: *const f32) -> [f32; N] {
+    const { assert!(N == 2 || N == 4) };
+    let mut v = [0.0; N];
+    unsafe {
+        if N == 4 {
+            let w = *(p as *const F32x4);
+            v.copy_from_slice(&w.0[..N]);
+        } else {
+            let w = *(p as *const F32x2);
+            v.copy_from_slice(&w.0[..N]);
+        }
+    }
+    v
+}
+
+/// Stores `N` (2 or 4) floats at `p`, `4N`-byte aligned: one vector store.
+#[inline(always)]
+unsafe fn store_n<const N: usize>(p: *mut f32, v: [f32; N]) {
+    const { assert!(N == 2 || N == 4) };
+    unsafe {
+        if N == 4 {
+            let mut w = [0.0; 4];
+            w.copy_from_slice(&v);
+            *(p as *mut F32x4) = F32x4(w);
+        } else {
+            let mut w = [0.0; 2];
+            w.copy_from_slice(&v);
+            *(p as *mut F32x2) = F32x2(w);
+        }
+    }
+}
+
+unsafe extern "C" {
+    #[link_name = "llvm.nvvm.shfl.sync.bfly.f32"]
+    fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
+    #[link_name = "llvm.nvvm.bar.warp.sync"]
+    fn bar_warp_sync(mask: u32);
+}
+
+/// `fence.acq_rel.gpu`: with a relaxed atomic after it, a release of this thread's (and,
+/// through a barrier, its block's) writes before it; after one, an acquire of what the
+/// writers released. Lighter than `threadfence`'s `fence.sc`.
+#[inline(always)]
+fn fence_acq_rel_gpu() {
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+}
+
+/// Brings the line of `p` (global memory) into L1: the compiler may place a load long after
+/// it is written, but not a prefetch, which has no result to wait for.
+#[inline(always)]
+fn prefetch_l1(p: *const f32) {
+    unsafe { asm!("prefetch.global.L1 [{0}];", in(reg64) p, options(nostack, readonly)) };
+}
+
+/// Lane `lane ^ m`'s `v` (the whole warp calls it).
+#[inline(always)]
+fn shfl_xor(v: f32, m: u32) -> f32 {
+    unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) }
+}
+
+/// The warp's shared-memory writes before it are seen by its lanes' reads after it.
+#[inline(always)]
+fn sync_warp() {
+    unsafe { bar_warp_sync(u32::MAX) }
+}
+
+/// The keys and values of one kv head: rows of `kv_dim` floats, the head's `hd` at `kv_off`.
+#[derive(Clone, Copy)]
+struct Kv {
+    k: *const f32,
+    v: *const f32,
+    kv_dim: usize,
+    kv_off: usize,
+    hd: u32,
+}
+
+impl Kv {
+    /// Floats `d..d + 4` of key row `key` of `cache` (`self.k` or `self.v`): zeros for keys from
+    /// `end` on and for dims from `hd` on (`end >= 1`). `VEC`: `hd` is the padded dim and the
+    /// rows are 16-byte aligned: one vector load, the key clamped into the cache and the
+    /// value zeroed after, so that the loads of a tile are straight-line code.
+    #[inline(always)]
+    fn load4<const VEC: bool>(&self, cache: *const f32, key: u32, d: u32, end: u32) -> [f32; 4] {
+        if VEC {
+            let at = key.min(end - 1) as usize * self.kv_dim + self.kv_off + d as usize;
+            let v = unsafe { *(cache.add(at) as *const F32x4) }.0;
+            if key < end { v } else { [0.0; 4] }
+        } else {
+            let at = key as usize * self.kv_dim + self.kv_off + d as usize;
+            core::array::from_fn(|e| {
+                if key < end && d + (e as u32) < self.hd {
+                    unsafe { *cache.add(at + e) }
+                } else {
+                    0.0
+                }
+            })
+        }
+    }
+}
 
 /// Copies `k, v = [rows, kv_dim]` into rows `pos[0]..pos[0] + rows` of `k_cache, v_cache =
 /// [max_pos, kv_dim]`. Grid: `ceil(rows * kv_dim / blockDim)` blocks; no shared memory.
@@ -54,22 +217,27 @@ pub unsafe extern "gpu-kernel" fn kv_append(
 /// position `pos[0]` over keys `0..=pos[0]`, into `out = [n_heads * head_dim]`. `scale` =
 /// 1/sqrt(head_dim), head_dim <= 128.
 ///
-/// Grid: `(n_kv * ceil(group / warps), splits)` with `group = n_heads / n_kv` and `warps =
-/// blockDim / 32`: block `(x, s)` serves up to `warps` query heads of one kv head, one per
-/// warp, over slice `s` of the keys, so each K/V row is read once for all of them. Block: a
-/// multiple of 32 threads. Shared: `32 * (head_dim + 1) + 32 * head_dim + warps * head_dim + 1`
-/// f32. Scratch: `partials = [n_heads, splits, head_dim + 2]` f32 and `counters =
-/// [gridDim.x]` u32, zero before the first launch (and left zero by every launch).
+/// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and `splits <= 64`:
+/// block `(x, s)` serves up to 8 query heads of one kv head, one per warp, over slice `s` of the
+/// keys, so each K/V row is read once for all of them. Block: 256 threads. Shared: 38,416
+/// bytes (the `D = 128` path's; the other needs less). Scratch: `partials = [n_heads,
+/// splits, 4 + ceil4(head_dim)]` f32 (per head and slice: max `m`, sum `l`, two unused, then
+/// the unnormalised output) and `counters = [gridDim.x]` u32, zero before the first launch
+/// (and left zero by every launch).
 ///
 /// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
-/// `splits` slices; all of it follows from `pos[0]` on the device, so the launch does not
-/// depend on the position. Blocks past the last key have nothing to do and leave at once.
-/// A block runs the prefill kernel's tiled online softmax over its slice (K and V tiles staged
-/// in shared memory, lane `i` scores key `i`) and stores each head's partial (max `m`, sum `l`,
-/// unnormalised `acc`). The last block of `x` to finish, by an atomic count of the slices in
-/// use, combines the partials of its heads into `out` in slice order (so the result does not
-/// depend on which block came last) and zeroes the count for the next launch.
+/// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on the
+/// device, so the launch does not depend on the position. Blocks past the last key have
+/// nothing to do and leave at once. Per tile (its K and V staged in shared memory by 16-byte
+/// loads, the next tile's loads in flight during the current one's math), lane `i` of each
+/// warp scores key `i` against its head's query, and the warp updates the head's online
+/// softmax and its output dims `D/32` per lane. Each block stores its heads' partials; the
+/// last block of `x` to finish, by an atomic count of the slices in use, combines the
+/// partials of its heads into `out` in a fixed order (so the result does not depend on which
+/// block came last) and zeroes the count for the next launch. It reads nothing before
+/// `wait_for_inputs`, so it may be a programmatic dependent launch.
 #[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn attention_decode(
     out: *mut f32,
     q: *const f32,
@@ -84,11 +252,96 @@ pub unsafe extern "gpu-kernel" fn attention_decode(
     max_pos: u32,
     scale: f32,
 ) {
+    // Everything it reads comes from earlier kernels: with a programmatic dependent launch
+    // (the decode step's), wait for them first.
+    wait_for_inputs();
+    release_next();
+    let fast = head_dim == 64
+        && aligned16(out)
+        && aligned16(q)
+        && aligned16(k_cache)
+        && aligned16(v_cache)
+        && aligned16(partials);
+    let a = (out, q, k_cache, v_cache, pos, partials, counters);
+    let n = (n_heads, n_kv, head_dim, max_pos, scale);
+    if fast {
+        unsafe { decode::<64, 2, true>(a, n) }
+    } else {
+        unsafe { decode::<128, 4, false>(a, n) }
+    }
+}
+
+type DecodePtrs = (
+    *mut f32,
+    *const f32,
+    *const f32,
+    *const f32,
+    *const u32,
+    *mut f32,
+    *mut u32,
+);
+
+/// `attention_decode` for head dims padded to `D` (see the module's doc). `DPL = D / 32`: the
+/// output dims per lane, `lane * DPL..`; also the K (and V) units of 4 floats a thread stages
+/// per tile (32 keys of `D / 4` units over 256 threads).
+#[inline(always)]
+// The combine's unrolled batches: the last one's update of the running max is not read.
+#[allow(unused_assignments)]
+unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
+    (out, q, k_cache, v_cache, pos, partials, counters): DecodePtrs,
+    (n_heads, n_kv, head_dim, max_pos, scale): (u32, u32, u32, u32, f32),
+) {
+    const { assert!(D == 32 * DPL) };
+    let (lane, warp) = (thread() % WARP, thread() / WARP);
+    let group = n_heads / n_kv;
+    let per_kv = group.div_ceil(THREADS / WARP);
+    let kvh = block() / per_kv;
+    let g = (block() % per_kv) * (THREADS / WARP) + warp;
+    let active = g < group;
+    let h = kvh * group + g;
+    let hd = head_dim;
+    let kv = Kv {
+        k: k_cache,
+        v: v_cache,
+        kv_dim: (n_kv * hd) as usize,
+        kv_off: (kvh * hd) as usize,
+        hd,
+    };
+    // This lane's output dims hold data (in the partials' rows).
+    let lane_live = VEC || lane * (DPL as u32) < hd;
+
+    let smem = shared::<F32x4>() as *mut f32;
+    let ks = smem; // [32][D + 4]: + 4 so that lane-per-key 16-byte reads hit distinct banks
+    let vs = unsafe { ks.add(32 * (D + 4)) }; // [32][D]
+    let qs = unsafe { vs.add(32 * D) }; // [8][D]
+    let ps = unsafe { qs.add(8 * D) }; // [8][32]
+    let is_last = unsafe { ps.add(8 * 32) } as *mut u32;
+
+    // The query first: its loads do not wait for the position's.
+    let my_q = unsafe { qs.add(warp as usize * D) };
+    let d0 = lane * DPL as u32;
+    let qv: [f32; DPL] = if VEC {
+        // Inactive warps read head 0 of the group and store zeros.
+        let hq = if active { h } else { kvh * group };
+        let v = unsafe { load_n::<DPL>(q.add((hq * hd + d0) as usize)) };
+        if active { v } else { [0.0; DPL] }
+    } else {
+        core::array::from_fn(|i| {
+            let d = d0 + i as u32;
+            if active && d < hd {
+                unsafe { *q.add((h * hd + d) as usize) }
+            } else {
+                0.0
+            }
+        })
+    };
+    unsafe { store_n(my_q.add(d0 as usize), qv) };
+
     let p0 = unsafe { *pos };
-    if p0 >= max_pos {
+    let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
+    if p0 >= max_pos || splits > MAX_SPLITS {
         unsafe { nvptx::trap() };
     }
-    let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
     let n_keys = p0 + 1;
     let chunk = n_keys.div_ceil(splits).next_multiple_of(TILE_KEYS);
     let used = n_keys.div_ceil(chunk);
@@ -97,87 +350,118 @@ pub unsafe extern "gpu-kernel" fn attention_decode(
         return;
     }
     let first = split * chunk;
-    let last = n_keys.min(first + chunk) - 1;
+    let end = n_keys.min(first + chunk);
+    let tiles = (end - first).div_ceil(TILE_KEYS);
 
-    let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
-    let group = n_heads / n_kv;
-    let per_kv = group.div_ceil(warps);
-    let kvh = block() / per_kv;
-    let g = (block() % per_kv) * warps + warp;
-    let active = g < group;
-    let h = kvh * group + g;
-    let hd = head_dim as usize;
-    let kv_dim = (n_kv * head_dim) as usize;
-    let kv_off = kvh as usize * hd;
-    let dim = |j: usize| lane as usize + WARP as usize * j;
+    // Unit `t + 256 i` of a tile is floats `4 (u % (D / 4))..+4` of its key `u / (D / 4)`.
+    let unit = |i: usize| {
+        let u = thread() as usize + THREADS as usize * i;
+        ((u / (D / 4)) as u32, (4 * (u % (D / 4))) as u32)
+    };
+    let load = |k0: u32| -> ([[f32; 4]; DPL], [[f32; 4]; DPL]) {
+        let kk = core::array::from_fn(|i| {
+            let (r, d) = unit(i);
+            kv.load4::<VEC>(kv.k, k0 + r, d, end)
+        });
+        let vv = core::array::from_fn(|i| {
+            let (r, d) = unit(i);
+            kv.load4::<VEC>(kv.v, k0 + r, d, end)
+        });
+        (kk, vv)
+    };
 
-    let smem = shared::<f32>();
-    let ks = smem; // [TILE_KEYS, hd + 1]
-    let vs = unsafe { ks.add(TILE_KEYS as usize * (hd + 1)) }; // [TILE_KEYS, hd]
-    let qs = unsafe { vs.add(TILE_KEYS as usize * hd) }; // [warps, hd]
-    let is_last = unsafe { qs.add(warps as usize * hd) } as *mut u32;
-
-    let my_q = unsafe { qs.add(warp as usize * hd) };
-    let mut d = lane as usize;
-    while d < hd {
-        unsafe {
-            *my_q.add(d) = if active {
-                *q.add(h as usize * hd + d)
-            } else {
-                0.0
+    let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; DPL]);
+    let mut staged = load(first);
+    // Every thread runs the same tiles: the barriers are reached by all.
+    for t in 0..tiles {
+        for i in 0..DPL {
+            let (r, d) = unit(i);
+            unsafe {
+                *(ks.add(r as usize * (D + 4) + d as usize) as *mut F32x4) = F32x4(staged.0[i]);
+                *(vs.add(r as usize * D + d as usize) as *mut F32x4) = F32x4(staged.1[i]);
             }
-        };
-        d += WARP as usize;
-    }
-
-    let mut run = Running::new();
-    let mut k0 = first;
-    while k0 <= last {
-        stage_tile(
-            ks,
-            vs,
-            k_cache,
-            v_cache,
-            k0,
-            last + 1,
-            head_dim,
-            kv_dim,
-            kv_off,
-        );
+        }
         sync_threads();
+        let k0 = first + t * TILE_KEYS;
+        // The next tile's loads fly during the math (most blocks have one tile: none).
+        if t + 1 < tiles {
+            staged = load(k0 + TILE_KEYS);
+        }
         // Warp-uniform: the shuffles inside see every lane.
         if active {
-            run.add_tile(ks, vs, my_q, k0, last, hd, scale);
+            // Lane `lane` scores key `k0 + lane`, in four independent FMA chains.
+            let key_row = unsafe { ks.add(lane as usize * (D + 4)) };
+            let mut dots = [0.0f32; 4];
+            unroll!(c in 0..D / 4; 32, {
+                let kq = unsafe { *(key_row.add(4 * c) as *const F32x4) }.0;
+                let qq = unsafe { *(my_q.add(4 * c) as *const F32x4) }.0;
+                for e in 0..4 {
+                    dots[e] = fma(qq[e], kq[e], dots[e]);
+                }
+            });
+            let s = if k0 + lane < end {
+                ((dots[0] + dots[1]) + (dots[2] + dots[3])) * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            // Key k0 < end is live, so the max is finite.
+            let m_new = m.max(warp_max(s));
+            let c = exp(m - m_new);
+            let p = exp(s - m_new);
+            m = m_new;
+            // This lane's keys' share of the sum, reduced over the warp at the end.
+            l = l * c + p;
+            let my_p = unsafe { ps.add(warp as usize * 32) };
+            unsafe { *my_p.add(lane as usize) = p };
+            sync_warp();
+            // Lane `lane`'s dims over the tile's 32 keys (dead keys weigh 0 and their rows are
+            // finite: zeros past `end`), in two chains.
+            let mut part = [[0.0f32; DPL]; 2];
+            unroll!(k4 in 0..8, {
+                let pk = unsafe { *(my_p.add(4 * k4) as *const F32x4) }.0;
+                unroll!(e in 0..4, {
+                    let k = 4 * k4 + e;
+                    let v = unsafe { load_n::<DPL>(vs.add(k * D + d0 as usize)) };
+                    unroll!(i in 0..DPL; 4, {
+                        part[k % 2][i] = fma(pk[e], v[i], part[k % 2][i]);
+                    });
+                });
+            });
+            for (i, a) in acc.iter_mut().enumerate() {
+                *a = fma(*a, c, part[0][i] + part[1][i]);
+            }
         }
         // Everyone is done with the tile before the next one overwrites it.
         sync_threads();
-        k0 += TILE_KEYS;
     }
 
-    let part = |h: u32, s: u32| unsafe { partials.add((h * splits + s) as usize * (hd + 2)) };
+    // Partial rows: [m, l, -, -, acc[ceil4(hd)]], 16-byte aligned.
+    let stride = (4 + hd.next_multiple_of(4)) as usize;
+    let part = |s: u32| unsafe { partials.add((h * splits + s) as usize * stride) };
     if active {
-        let mine = part(h, split);
+        let l = warp_sum(l);
+        let mine = part(split);
         if lane == 0 {
-            unsafe { (*mine, *mine.add(1)) = (run.m, run.l) };
+            unsafe { store_n(mine, [m, l]) };
         }
-        for (j, acc) in run.acc.iter().enumerate() {
-            if dim(j) < hd {
-                unsafe { *mine.add(2 + dim(j)) = *acc };
-            }
+        if lane_live {
+            unsafe { store_n(mine.add(4 + d0 as usize), acc) };
         }
     }
-    // Release: the partials are visible GPU-wide before the count says so.
-    threadfence();
+    // The block's partials are written; thread 0 publishes them (its release fence orders the
+    // whole block's writes, seen through the barrier, before its count: the pattern of the
+    // cooperative-groups grid barrier, with acq_rel fences for its `__threadfence`s).
     sync_threads();
     if thread() == 0 {
         // SAFETY: the word is this block row's counter in global memory, only used atomically
         // while blocks of this launch run.
         let count = unsafe { AtomicU32::from_ptr(counters.add(block() as usize)) };
+        fence_acq_rel_gpu();
         let done = count.fetch_add(1, Relaxed) + 1 == used;
         if done {
             count.store(0, Relaxed);
             // Acquire: the other blocks' partials are read after their counts.
-            threadfence();
+            fence_acq_rel_gpu();
         }
         unsafe { *is_last = done as u32 };
     }
@@ -186,62 +470,104 @@ pub unsafe extern "gpu-kernel" fn attention_decode(
         return;
     }
 
-    // out = sum_s acc_s * e^(m_s - M) / sum_s l_s * e^(m_s - M) over the used slices (each has
-    // at least one key, so every m_s is finite).
-    let mut max = f32::NEG_INFINITY;
-    let mut s = lane;
-    while s < used {
-        max = max.max(unsafe { *part(h, s) });
-        s += WARP;
-    }
-    let max = warp_max(max);
-    // In rounds of COMBINE_BATCH slices, all loads first; a slice past `used` keeps m = -inf
-    // and weighs 0.
-    let (mut sum, mut o) = (0.0f32, [0.0f32; MAX_DIMS_PER_LANE]);
-    let mut s0 = 0;
-    while s0 < used {
-        let mut ml = [(f32::NEG_INFINITY, 0.0f32); COMBINE_BATCH];
-        let mut a = [[0.0f32; MAX_DIMS_PER_LANE]; COMBINE_BATCH];
-        for (b, (ml, a)) in ml.iter_mut().zip(a.iter_mut()).enumerate() {
-            if s0 + (b as u32) < used {
-                let p = part(h, s0 + b as u32);
-                *ml = unsafe { (*p, *p.add(1)) };
-                for (j, a) in a.iter_mut().enumerate() {
-                    if dim(j) < hd {
-                        *a = unsafe { *p.add(2 + dim(j)) };
-                    }
+    // out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) over the used slices (each has at
+    // least one key, so every m_s is finite), in a fixed order. A slice's row of acc takes
+    // `D / 4` lanes, 4 dims each (16-byte loads): with D = 64 the two half-warps take alternate
+    // slices and add up at the end. A lane loads the (m, l) and its acc of each of its slices,
+    // 32 slices at a time with every load issued before the first is used (few enough that
+    // the compiler keeps them so; indices clamped to a used slice, slices past `used` weigh
+    // 0); a second batch (more than 32 slices) rescales the first's sums to the larger max.
+    let lps = (D / 4) as u32;
+    let (group, dc) = (lane / lps, 4 * (lane % lps));
+    let groups = WARP / lps;
+    let dims_live = VEC || dc < hd;
+    let (mut max, mut sum, mut o) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; 4]);
+    unroll!(b in 0..2, {
+        let s0 = 32 * b as u32;
+        if s0 < used {
+            let slice = |j: usize| s0 + groups * j as u32 + group;
+            let mut ml = [[0.0f32; 2]; 32];
+            let mut accs = [[0.0f32; 4]; 32];
+            unroll!(j in 0..D / 4; 32, {
+                let row = part(slice(j).min(used - 1));
+                ml[j] = unsafe { load_n::<2>(row) };
+                if dims_live {
+                    let at = unsafe { row.add(4 + dc as usize) };
+                    prefetch_l1(at);
+                    accs[j] = unsafe { load_n::<4>(at) };
                 }
+            });
+            // Selects, not branches: a branch would have the acc loads sunk past the max.
+            let m_at = |j: usize| {
+                if slice(j) < used {
+                    ml[j][0]
+                } else {
+                    f32::NEG_INFINITY
+                }
+            };
+            let mut m_new = max;
+            unroll!(j in 0..D / 4; 32, {
+                m_new = m_new.max(m_at(j));
+            });
+            if groups == 2 {
+                m_new = m_new.max(shfl_xor(m_new, 16));
             }
+            // exp(-inf) = 0 for the first batch.
+            let c = exp(max - m_new);
+            sum *= c;
+            o = o.map(|o| o * c);
+            unroll!(j in 0..D / 4; 32, {
+                let w = exp(m_at(j) - m_new);
+                sum = fma(ml[j][1], w, sum);
+                for i in 0..4 {
+                    o[i] = fma(w, accs[j][i], o[i]);
+                }
+            });
+            max = m_new;
         }
-        for ((m, l), a) in ml.iter().zip(&a) {
-            let f = exp(m - max);
-            sum += l * f;
-            for (o, a) in o.iter_mut().zip(a) {
-                *o += a * f;
-            }
-        }
-        s0 += COMBINE_BATCH as u32;
+    });
+    if groups == 2 {
+        sum += shfl_xor(sum, 16);
+        o = o.map(|o| o + shfl_xor(o, 16));
     }
-    let out = unsafe { out.add(h as usize * hd) };
-    for (j, o) in o.iter().enumerate() {
-        if dim(j) < hd {
-            unsafe { *out.add(dim(j)) = o / sum };
+    if group != 0 {
+        return;
+    }
+    let out = unsafe { out.add((h * hd + dc) as usize) };
+    let inv = 1.0 / sum;
+    let o = o.map(|o| o * inv);
+    if VEC {
+        unsafe { store_n(out, o) };
+    } else {
+        for (i, o) in o.iter().enumerate() {
+            if dc + (i as u32) < hd {
+                unsafe { *out.add(i) = *o };
+            }
         }
     }
 }
 
 /// Causal attention of `rows` query rows `q = [rows, n_heads * head_dim]`, row `t` at position
-/// `pos[0] + t` over keys `0..=pos[0] + t`, into `out` (same shape), flash-attention style.
-/// `scale` = 1/sqrt(head_dim), head_dim <= 128.
-/// Grid: `(ceil(rows / (blockDim / 32)), n_heads)`: block `(x, h)` does query head `h` for the
-/// rows `x * warps ..`, one row per warp. Block: a multiple of 32 threads.
-/// Shared: `32 * (head_dim + 1) + 32 * head_dim + (blockDim / 32) * head_dim` f32.
+/// `pos[0] + t` over keys `0..=pos[0] + t`, into `out` (same shape), flash-attention style on
+/// tensor cores at f32 precision. `scale` = 1/sqrt(head_dim), head_dim <= 128.
+/// Grid: `(ceil(rows / 64), n_heads)`: block `(x, h)` does query head `h` for 64 rows, the
+/// blocks of the last rows (the most keys) first. Block: 256 threads. Shared: 32768 bytes.
 ///
-/// The block walks the keys in tiles of 32, staged in shared memory (K rows padded by one so
-/// that lane-per-key reads hit distinct banks). Per tile, lane `i` scores key `i` against its
-/// warp's row, the warp updates that row's online softmax (max, sum and the per-lane output
-/// dims) and skips tiles wholly after the row's position.
+/// Warp `w` owns the 16 rows of row group `w % 4` (one m16 tile of `mma.sync` m16n8k16) and
+/// part `w / 4`: with `D = 64` the two parts take alternate tiles of 32 keys and meet at the
+/// end (so two warps work on each row group's keys, and one's softmax overlaps the other's
+/// products); with `D = 128` both take every tile, each for half the output dims. The block
+/// walks the keys in rounds of `4096 / D` keys (one tile per part), staged in shared memory as
+/// split f16 halves (see [`LO_SCALE`]) by 16-byte loads, the next round's loads in flight
+/// during the current one's math. A warp computes its scores `S = Q·Kᵀ` (Q's fragments in
+/// registers), masks the keys past each row's position (the diagonal tiles only), updates its
+/// rows' online softmax and adds `P·V`, `P` taken straight from `S`'s accumulators. Each
+/// product is three `mma`s, `hi·hi` and `(lo·hi + hi·lo) / LO_SCALE` in a second accumulator,
+/// the `lo·lo` term (< 2^-22 of the product) left out. A warp skips the tiles wholly after
+/// its last row. Operands must stay below 65504 in magnitude (f16's range; activations are
+/// far below): a larger one makes its rows' outputs non-finite.
 #[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn attention_prefill(
     out: *mut f32,
     q: *const f32,
@@ -255,167 +581,397 @@ pub unsafe extern "gpu-kernel" fn attention_prefill(
     max_pos: u32,
     scale: f32,
 ) {
+    let fast = head_dim == 64
+        && aligned16(out)
+        && aligned16(q)
+        && aligned16(k_cache)
+        && aligned16(v_cache);
+    let a = (out, q, k_cache, v_cache, pos);
+    let n = (rows, n_heads, n_kv, head_dim, max_pos, scale);
+    if fast {
+        unsafe { prefill::<64, true>(a, n) }
+    } else {
+        unsafe { prefill::<128, false>(a, n) }
+    }
+}
+
+/// The shared-window address of `p`, which points into shared memory.
+#[inline(always)]
+fn shared_addr<T>(p: *const T) -> u32 {
+    let a: u64;
+    unsafe {
+        asm!("cvta.to.shared.u64 {0}, {1};", out(reg64) a, in(reg64) p as u64,
+            options(pure, nomem, nostack))
+    };
+    a as u32
+}
+
+#[inline(always)]
+fn store_shared2(at: u32, v: [u32; 2]) {
+    unsafe {
+        asm!("st.shared.v2.b32 [{0}], {{{1}, {2}}};", in(reg32) at, in(reg32) v[0],
+            in(reg32) v[1], options(nostack))
+    };
+}
+
+/// Four 8×8 matrices of halves from shared memory (`ldmatrix .x4`): lane `l` gives the address
+/// of row `l % 8` of matrix `l / 8` (16 bytes) and gets, in word `i`, the halves at row `l / 4`,
+/// columns `2·(l % 4)` and `+1` of matrix `i`, or with `TRANS` at column `l / 4`, rows
+/// `2·(l % 4)` and `+1` (the lower index in the low half).
+#[inline(always)]
+fn ldmatrix4<const TRANS: bool>(at: u32) -> [u32; 4] {
+    let (r0, r1, r2, r3);
+    unsafe {
+        if TRANS {
+            asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+                out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
+                options(readonly, nostack));
+        } else {
+            asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+                out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
+                options(readonly, nostack));
+        }
+    }
+    [r0, r1, r2, r3]
+}
+
+/// `d += a·b` for one 16×8 tile over k = 16 (`mma.sync` m16n8k16, f16 products exact, f32
+/// sums). With `g = lane / 4`, `c = lane % 4`: `a` holds rows `g`, `g + 8`, `g`, `g + 8` at
+/// k `2c, 2c + 1` (+8 in words 2, 3); `b` k `2c, 2c + 1` (+8 in word 1) of column `g`; `d`
+/// rows `g` (0, 1) and `g + 8` (2, 3) at columns `2c, 2c + 1`.
+#[inline(always)]
+fn mma(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    unsafe {
+        asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{0}, {1}, {2}, {3}}}, \
+              {{{4}, {5}, {6}, {7}}}, {{{8}, {9}}}, {{{0}, {1}, {2}, {3}}};",
+            inout(reg32) d[0], inout(reg32) d[1], inout(reg32) d[2], inout(reg32) d[3],
+            in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3],
+            in(reg32) b[0], in(reg32) b[1], options(pure, nomem, nostack))
+    };
+}
+
+/// The three products of one split tile: `main += a_hi·b_hi`, `cross += a_lo·b_hi + a_hi·b_lo`.
+#[inline(always)]
+fn mma3(main: &mut [f32; 4], cross: &mut [f32; 4], a: &([u32; 4], [u32; 4]), b: [[u32; 2]; 2]) {
+    mma(main, a.0, b[0]);
+    mma(cross, a.1, b[0]);
+    mma(cross, a.0, b[1]);
+}
+
+/// `a, b` as split halves: (`f16(a) | f16(b) << 16`, the same of the scaled remainders).
+#[inline(always)]
+fn split2(a: f32, b: f32) -> (u32, u32) {
+    let f16x2 = |lo: f32, hi: f32| -> u32 {
+        let r: u32;
+        unsafe {
+            asm!("cvt.rn.f16x2.f32 {0}, {1}, {2};", out(reg32) r, in(reg32) hi, in(reg32) lo,
+                options(pure, nomem, nostack))
+        };
+        r
+    };
+    let hi = f16x2(a, b);
+    let (ha, hb) = (f16_to_f32(hi as u16), f16_to_f32((hi >> 16) as u16));
+    (hi, f16x2((a - ha) * LO_SCALE, (b - hb) * LO_SCALE))
+}
+
+/// An A fragment (see [`mma`]) of four float pairs, split: (hi words, lo words).
+#[inline(always)]
+fn split_a(v: [[f32; 2]; 4]) -> ([u32; 4], [u32; 4]) {
+    let s = v.map(|[a, b]| split2(a, b));
+    (s.map(|s| s.0), s.map(|s| s.1))
+}
+
+type PrefillPtrs = (*mut f32, *const f32, *const f32, *const f32, *const u32);
+
+/// `attention_prefill` for head dims padded to `D` (see the module's doc).
+#[inline(always)]
+#[allow(clippy::needless_range_loop)]
+unsafe fn prefill<const D: usize, const VEC: bool>(
+    (out, q, k_cache, v_cache, pos): PrefillPtrs,
+    (rows, n_heads, n_kv, head_dim, max_pos, scale): (u32, u32, u32, u32, u32, f32),
+) {
     let p0 = unsafe { *pos };
     if p0 > max_pos - rows {
         unsafe { nvptx::trap() };
     }
-    let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
+    // Key parts (2 with D = 64, else 1), keys per round, and the bytes of one of the round's
+    // four tiles (K hi, K lo, V hi, V lo: `[round keys][D]` halves, 8192 either way).
+    let parts = (128 / D) as u32;
+    let round_keys = parts * TILE_KEYS;
+    let tile_bytes = (2 * (128 / D) * 32 * D) as u32;
+    let (lane, warp) = (thread() % WARP, thread() / WARP);
+    let (g, c) = (lane / 4, lane % 4);
+    let (rg, part) = (warp % 4, warp / 4);
+    // D = 64: key part `part`, all dims; D = 128: every key, output dims `64 part..`.
+    let (kp, dp) = if parts == 2 { (part, 0) } else { (0, part) };
     let h = unsafe { nvptx::_block_idx_y() } as u32;
-    let first_row = block() * warps;
-    let row = first_row + warp;
-    let active = row < rows;
-    let hd = head_dim as usize;
-    let (q_dim, kv_dim) = ((n_heads * head_dim) as usize, (n_kv * head_dim) as usize);
-    let kv_off = (h / (n_heads / n_kv)) as usize * hd;
-    let dim = |j: usize| lane as usize + WARP as usize * j;
-
-    let smem = shared::<f32>();
-    let ks = smem; // [TILE_KEYS, hd + 1]
-    let vs = unsafe { ks.add(TILE_KEYS as usize * (hd + 1)) }; // [TILE_KEYS, hd]
-    let qs = unsafe { vs.add(TILE_KEYS as usize * hd) }; // [warps, hd]
-
-    let my_q = unsafe { qs.add(warp as usize * hd) };
-    let q_at = row as usize * q_dim + h as usize * hd;
-    let mut d = lane as usize;
-    while d < hd {
-        unsafe { *my_q.add(d) = if active { *q.add(q_at + d) } else { 0.0 } };
-        d += WARP as usize;
-    }
-
+    let row0 = (grid_dim() - 1 - block()) * PREFILL_ROWS;
+    let wrow0 = row0 + 16 * rg;
+    let hd = head_dim;
+    let q_dim = (n_heads * hd) as usize;
+    let kv = Kv {
+        k: k_cache,
+        v: v_cache,
+        kv_dim: (n_kv * hd) as usize,
+        kv_off: (h / (n_heads / n_kv) * hd) as usize,
+        hd,
+    };
     // Keys the block needs: up to the position of its last row.
-    let n_keys = p0 + rows.min(first_row + warps);
-    // This row's last key (unused when inactive).
-    let last = p0 + row;
-    let mut run = Running::new();
-    let mut k0 = 0;
-    while k0 < n_keys {
-        stage_tile(
-            ks, vs, k_cache, v_cache, k0, n_keys, head_dim, kv_dim, kv_off,
-        );
-        sync_threads();
-        // Warp-uniform: the whole warp has one row, so the shuffles inside see every lane.
-        // Tile 0 holds key 0, so a row's max is finite from its first tile on.
-        if active && k0 <= last {
-            run.add_tile(ks, vs, my_q, k0, last, hd, scale);
-        }
-        // Everyone is done with the tile before the next one overwrites it.
-        sync_threads();
-        k0 += TILE_KEYS;
-    }
+    let n_keys = p0 + rows.min(row0 + PREFILL_ROWS);
+    let rounds = n_keys.div_ceil(round_keys);
+    // Whether the warp has rows, and the position of its last.
+    let warp_rows = wrow0 < rows;
+    let warp_last = p0 + (wrow0 + 15).min(rows - 1);
 
-    if active {
-        let out = unsafe { out.add(q_at) };
-        for (j, acc) in run.acc.iter().enumerate() {
-            if dim(j) < hd {
-                unsafe { *out.add(dim(j)) = *acc / run.l };
-            }
+    // Q's A fragments for the k steps of 16 dims, split. Rows past `rows` are zeros.
+    let q_pair = |r: u32, d: u32| -> [f32; 2] {
+        if VEC {
+            let at = r.min(rows - 1) as usize * q_dim + (h * hd + d) as usize;
+            let v = unsafe { load_n::<2>(q.add(at)) };
+            if r < rows { v } else { [0.0; 2] }
+        } else {
+            core::array::from_fn(|e| {
+                let d = d + e as u32;
+                if r < rows && d < hd {
+                    unsafe { *q.add(r as usize * q_dim + (h * hd + d) as usize) }
+                } else {
+                    0.0
+                }
+            })
         }
-    }
-}
+    };
+    let mut qf = [([0u32; 4], [0u32; 4]); 8];
+    unroll!(kk in 0..D / 16; 8, {
+        let (r, d) = (wrow0 + g, 16 * kk as u32 + 2 * c);
+        qf[kk] = split_a([
+            q_pair(r, d),
+            q_pair(r + 8, d),
+            q_pair(r, d + 8),
+            q_pair(r + 8, d + 8),
+        ]);
+    });
 
-/// Stages keys `k0..k0 + 32` of one kv head (at `kv_off` in rows of `kv_dim`) into the shared
-/// tiles `ks = [32, head_dim + 1]` (rows padded by one so that lane-per-key reads hit distinct
-/// banks) and `vs = [32, head_dim]`; keys from `end` on are zeros, never read as garbage.
-/// The whole block calls it. Each thread issues the loads of `STAGE_BATCH` elements before it
-/// stores any, so that a round costs one memory latency, not one per element.
-#[allow(clippy::too_many_arguments)]
-#[inline(always)]
-fn stage_tile(
-    ks: *mut f32,
-    vs: *mut f32,
-    k_cache: *const f32,
-    v_cache: *const f32,
-    k0: u32,
-    end: u32,
-    head_dim: u32,
-    kv_dim: usize,
-    kv_off: usize,
-) {
-    let (n, bd) = (TILE_KEYS * head_dim, block_dim());
-    let mut e0 = thread();
-    while e0 < n {
-        let mut kv = [(0.0f32, 0.0f32); STAGE_BATCH];
-        for (b, kv) in kv.iter_mut().enumerate() {
-            let e = e0 + b as u32 * bd;
-            let key = k0 + e / head_dim;
-            if e < n && key < end {
-                let at = key as usize * kv_dim + kv_off + (e % head_dim) as usize;
-                *kv = unsafe { (*k_cache.add(at), *v_cache.add(at)) };
-            }
+    // Staging: unit `t + 256 i` (i < 4) of a round's K (and V) is floats `4 (u % (D / 4))..+4`
+    // of the round's key `u / (D / 4)`; 16-byte chunk `j` of tile row `r` lies at chunk
+    // `j ^ (r % 8)`, so that the 8 rows one ldmatrix phase reads fall in distinct banks.
+    let unit = |i: usize| {
+        let u = thread() as usize + THREADS as usize * i;
+        ((u / (D / 4)) as u32, (4 * (u % (D / 4))) as u32)
+    };
+    let chunk_at = |r: u32, j: u32| r * (2 * D as u32) + 16 * (j ^ (r % 8));
+    let load = |round: u32| -> ([[f32; 4]; 4], [[f32; 4]; 4]) {
+        let k0 = round * round_keys;
+        let kk = core::array::from_fn(|i| {
+            let (r, d) = unit(i);
+            kv.load4::<VEC>(kv.k, k0 + r, d, n_keys)
+        });
+        let vv = core::array::from_fn(|i| {
+            let (r, d) = unit(i);
+            kv.load4::<VEC>(kv.v, k0 + r, d, n_keys)
+        });
+        (kk, vv)
+    };
+    let base = shared_addr(shared::<F32x4>());
+    // 4 floats as split halves at `at` (hi) and `at + tile_bytes` (lo).
+    let store4 = |at: u32, x: [f32; 4]| {
+        let (h0, l0) = split2(x[0], x[1]);
+        let (h1, l1) = split2(x[2], x[3]);
+        store_shared2(at, [h0, h1]);
+        store_shared2(at + tile_bytes, [l0, l1]);
+    };
+    let store = |(kk, vv): ([[f32; 4]; 4], [[f32; 4]; 4])| {
+        unroll!(i in 0..4, {
+            let (r, d) = unit(i);
+            let at = base + chunk_at(r, d / 8) + 2 * (d % 8);
+            store4(at, kk[i]);
+            store4(at + 2 * tile_bytes, vv[i]);
+        });
+    };
+    // The lanes' ldmatrix rows within the warp's 32 keys. K (non-transposed, rows are keys):
+    // matrices (keys 0-7, dims 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) of a pair of n8
+    // tiles are the B fragments of its two tiles. V (transposed, rows are keys): matrices
+    // (keys 0-7, dims 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) likewise.
+    let k_row = kp * TILE_KEYS + lane % 8 + 8 * (lane / 16);
+    let k_chunk = lane / 8 % 2;
+    let v_row = kp * TILE_KEYS + lane % 8 + 8 * (lane / 8 % 2);
+    let v_chunk = 8 * dp + lane / 16;
+
+    let mut o_main = [[0.0f32; 4]; 8];
+    let mut o_cross = [[0.0f32; 4]; 8];
+    // Rows g and g + 8: running max, and this lane's keys' share of the sum.
+    let mut m = [f32::NEG_INFINITY; 2];
+    let mut l = [0.0f32; 2];
+    let mut staged = load(0);
+    // Every thread runs the same rounds: the barriers are reached by all.
+    for round in 0..rounds {
+        store(staged);
+        sync_threads();
+        // The next round's loads (the last round's again at the end) fly during the math,
+        // with D = 64; D = 128 has no registers to spare for them and loads after it.
+        let next = (round + 1).min(rounds - 1);
+        if D == 64 {
+            staged = load(next);
         }
-        for (b, kv) in kv.iter().enumerate() {
-            let e = e0 + b as u32 * bd;
-            if e < n {
-                let (i, d) = (e / head_dim, e % head_dim);
-                unsafe {
-                    *ks.add((i * (head_dim + 1) + d) as usize) = kv.0;
-                    *vs.add(e as usize) = kv.1;
+        let k0 = round * round_keys + kp * TILE_KEYS;
+        // Warp-uniform: the shuffles and mma inside see every lane.
+        if warp_rows && k0 <= warp_last {
+            // S = Q·Kᵀ for the 4 n8 tiles of the warp's 32 keys.
+            let mut s_main = [[0.0f32; 4]; 4];
+            let mut s_cross = [[0.0f32; 4]; 4];
+            unroll!(kk in 0..D / 16; 8, {
+                let at = [0, 1].map(|jp| chunk_at(k_row + 16 * jp, 2 * kk as u32 + k_chunk));
+                let hi = at.map(|at| ldmatrix4::<false>(base + at));
+                let lo = at.map(|at| ldmatrix4::<false>(base + tile_bytes + at));
+                unroll!(j in 0..4, {
+                    let (jp, w) = (j / 2, 2 * (j % 2));
+                    let b = [[hi[jp][w], hi[jp][w + 1]], [lo[jp][w], lo[jp][w + 1]]];
+                    mma3(&mut s_main[j], &mut s_cross[j], &qf[kk], b);
+                });
+            });
+            // Scaled scores; keys past a row's position (only in a tile that reaches past
+            // the warp's first row) are -inf.
+            let mut s = [[0.0f32; 4]; 4];
+            for j in 0..4 {
+                for e in 0..4 {
+                    s[j][e] = fma(s_cross[j][e], 1.0 / LO_SCALE, s_main[j][e]) * scale;
                 }
             }
-        }
-        e0 += STAGE_BATCH as u32 * bd;
-    }
-}
-
-/// One query's online softmax, kept by a warp: the running max `m` of the scores seen, the
-/// sum `l` of e^(score - m) and, per lane, the output dims `lane + 32 j` in `acc` = the sum of
-/// e^(score - m) * v, all rescaled whenever `m` grows.
-struct Running {
-    m: f32,
-    l: f32,
-    acc: [f32; MAX_DIMS_PER_LANE],
-}
-
-impl Running {
-    fn new() -> Self {
-        Running {
-            m: f32::NEG_INFINITY,
-            l: 0.0,
-            acc: [0.0; MAX_DIMS_PER_LANE],
-        }
-    }
-
-    /// Adds keys `k0..=min(last, k0 + 31)` of the staged tile (`stage_tile`), scored against
-    /// `q = [head_dim]` in shared memory: lane `i` scores key `k0 + i`. The whole warp calls
-    /// it, with `k0 <= last`, so the tile's max is finite.
-    #[allow(clippy::too_many_arguments)]
-    #[inline(always)]
-    fn add_tile(
-        &mut self,
-        ks: *const f32,
-        vs: *const f32,
-        q: *const f32,
-        k0: u32,
-        last: u32,
-        hd: usize,
-        scale: f32,
-    ) {
-        let lane = thread() % WARP;
-        let dim = |j: usize| lane as usize + WARP as usize * j;
-        let mut s = f32::NEG_INFINITY;
-        if k0 + lane <= last {
-            let k = unsafe { ks.add(lane as usize * (hd + 1)) };
-            let mut dot = 0.0f32;
-            for d in 0..hd {
-                dot += unsafe { *q.add(d) * *k.add(d) };
+            if k0 + TILE_KEYS - 1 > p0 + wrow0 {
+                for j in 0..4 {
+                    for e in 0..4 {
+                        let key = k0 + 8 * j as u32 + 2 * c + e as u32 % 2;
+                        if key > p0 + wrow0 + g + 8 * (e as u32 / 2) {
+                            s[j][e] = f32::NEG_INFINITY;
+                        }
+                    }
+                }
             }
-            s = dot * scale;
+            // Online softmax of rows g (e = 0, 1) and g + 8 (e = 2, 3): the tile's max over
+            // the 4 lanes of the row, the correction of the old sums. A row with no live key
+            // yet (only in part 1's tiles) keeps max -inf and weighs its keys 0.
+            let mut corr = [0.0f32; 2];
+            let mut m_use = [0.0f32; 2];
+            for half in 0..2 {
+                let mut mt = m[half];
+                for j in 0..4 {
+                    mt = mt.max(s[j][2 * half]).max(s[j][2 * half + 1]);
+                }
+                mt = mt.max(shfl_xor(mt, 1));
+                mt = mt.max(shfl_xor(mt, 2));
+                m_use[half] = if mt == f32::NEG_INFINITY { 0.0 } else { mt };
+                corr[half] = exp(m[half] - m_use[half]);
+                m[half] = mt;
+            }
+            let mut p = [[0.0f32; 4]; 4];
+            let mut lt = [0.0f32; 2];
+            for j in 0..4 {
+                for e in 0..4 {
+                    p[j][e] = exp(s[j][e] - m_use[e / 2]);
+                    lt[e / 2] += p[j][e];
+                }
+            }
+            for half in 0..2 {
+                l[half] = fma(l[half], corr[half], lt[half]);
+            }
+            for n in 0..8 {
+                for e in 0..4 {
+                    o_main[n][e] *= corr[e / 2];
+                    o_cross[n][e] *= corr[e / 2];
+                }
+            }
+            // O += P·V over the warp's 32 keys (two k steps of 16): P's A fragment is the
+            // accumulators of the n8 tiles 2ks and 2ks + 1.
+            unroll!(ks in 0..2, {
+                let (p0t, p1t) = (p[2 * ks], p[2 * ks + 1]);
+                let pf = split_a([
+                    [p0t[0], p0t[1]],
+                    [p0t[2], p0t[3]],
+                    [p1t[0], p1t[1]],
+                    [p1t[2], p1t[3]],
+                ]);
+                let at = [0, 1, 2, 3].map(|np| chunk_at(v_row + 16 * ks as u32, v_chunk + 2 * np));
+                let hi = at.map(|at| ldmatrix4::<true>(base + 2 * tile_bytes + at));
+                let lo = at.map(|at| ldmatrix4::<true>(base + 3 * tile_bytes + at));
+                unroll!(n in 0..8, {
+                    let (np, w) = (n / 2, 2 * (n % 2));
+                    let b = [[hi[np][w], hi[np][w + 1]], [lo[np][w], lo[np][w + 1]]];
+                    mma3(&mut o_main[n], &mut o_cross[n], &pf, b);
+                });
+            });
         }
-        let m_new = self.m.max(warp_max(s));
-        let c = exp(self.m - m_new);
-        let p = exp(s - m_new);
-        self.l = self.l * c + warp_sum(p);
-        self.m = m_new;
-        for acc in self.acc.iter_mut() {
-            *acc *= c;
+        if D != 64 {
+            staged = load(next);
         }
-        let keys = TILE_KEYS.min(last - k0 + 1);
-        for i in 0..keys {
-            let p = warp_broadcast(p, i);
-            let v = unsafe { vs.add(i as usize * hd) };
-            for (j, acc) in self.acc.iter_mut().enumerate() {
-                if dim(j) < hd {
-                    *acc += p * unsafe { *v.add(dim(j)) };
+        // Everyone is done with the round before the next one overwrites it.
+        sync_threads();
+    }
+
+    let mut o = [[0.0f32; 4]; 8];
+    for n in 0..8 {
+        for e in 0..4 {
+            o[n][e] = fma(o_cross[n][e], 1.0 / LO_SCALE, o_main[n][e]);
+        }
+    }
+    if parts == 2 {
+        // Part 1 hands its rows' (o, m, l) to part 0 through shared memory (free: the loop
+        // ended on a barrier), value `i` of thread `t` at `128 i + t % 128`.
+        let slots = shared::<f32>();
+        let at = |i: usize| unsafe { slots.add(128 * i + (thread() % 128) as usize) };
+        if part == 1 {
+            for n in 0..8 {
+                for e in 0..4 {
+                    unsafe { *at(4 * n + e) = o[n][e] };
+                }
+            }
+            for half in 0..2 {
+                unsafe { (*at(32 + half), *at(34 + half)) = (m[half], l[half]) };
+            }
+        }
+        sync_threads();
+        if part == 1 {
+            return;
+        }
+        // Part 0's max is finite in every row of a warp with rows (its first tile holds key
+        // 0); part 1's may be -inf (it then weighs 0).
+        let mut f = [[0.0f32; 2]; 2];
+        for half in 0..2 {
+            let (m1, l1) = unsafe { (*at(32 + half), *at(34 + half)) };
+            let mx = m[half].max(m1);
+            f[half] = [exp(m[half] - mx), exp(m1 - mx)];
+            l[half] = fma(l[half], f[half][0], l1 * f[half][1]);
+        }
+        for n in 0..8 {
+            for e in 0..4 {
+                let o1 = unsafe { *at(4 * n + e) };
+                o[n][e] = fma(o[n][e], f[e / 2][0], o1 * f[e / 2][1]);
+            }
+        }
+    }
+    if !warp_rows {
+        return;
+    }
+    for half in 0..2 {
+        l[half] += shfl_xor(l[half], 1);
+        l[half] += shfl_xor(l[half], 2);
+    }
+    // Rows g and g + 8, dims `64 dp + 8 n + 2 c` and `+1`.
+    for half in 0..2 {
+        let r = wrow0 + g + 8 * half as u32;
+        if r >= rows {
+            continue;
+        }
+        let at = unsafe { out.add(r as usize * q_dim + (h * hd) as usize) };
+        let inv = 1.0 / l[half];
+        for n in 0..8 {
+            let d = 64 * dp + 8 * n as u32 + 2 * c;
+            let v = [o[n][2 * half] * inv, o[n][2 * half + 1] * inv];
+            if VEC {
+                unsafe { store_n(at.add(d as usize), v) };
+            } else {
+                for (e, v) in v.iter().enumerate() {
+                    if d + (e as u32) < hd {
+                        unsafe { *at.add(d as usize + e) = *v };
+                    }
                 }
             }
         }

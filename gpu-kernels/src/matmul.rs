@@ -1,17 +1,20 @@
 //! Products `y[t, o] = sum_i x[t, i]·w[o, i] (+ bias[o])` with the weights `w` `[n_out, n_in]`
-//! row-major in one of the model file's formats, read as stored and dequantized in registers
-//! to exactly `orcd::quant::dequantize`'s f32 values; f32 accumulation by FMA. One token:
-//! `gemv_<type>`; several: `gemm_<type>`, on tensor cores with the f32 operands split into
-//! f16 halves (see `gemm_mma`), for the types f32, f16, bf16, q4_0, q5_0, q8_0, q4_k, q5_k and
-//! q6_k. CPU twin: `orcd::cpu::matmul` on the dequantized weights.
+//! row-major, plain floats or packed quantized chunks (`quant::Packed`), dequantized in
+//! registers; f32 accumulation by FMA. One token: `gemv_<type>`; several: `gemm_<type>`, on
+//! tensor cores with the f32 operands split into f16 halves (see `gemm_mma`), for the types
+//! f32, f16, bf16, q4_0, q5_0, q8_0, q4_k, q5_k and q6_k. CPU twin: `orcd::cpu::matmul` on the
+//! dequantized weights.
 //!
 //! The GEMV and GEMM are written once, generic over [`Weights`] (one implementation per
-//! format: plain floats or blocks of `quant::Block`); the entry points only pick the format.
+//! format: plain floats, or `quant::Packed` per quantized type); the entry points only pick
+//! the format. The GEMV's body, [`gemv_units`], also serves the fused decode kernels.
 use core::arch::asm;
-use core::marker::PhantomData;
 
-use crate::quant::{Block, BlockQ4_0, BlockQ4K, BlockQ5_0, BlockQ5K, BlockQ6K, BlockQ8_0};
-use crate::util::{WARP, block, block_dim, f16_to_f32, shared, sync_threads, thread, warp_sum};
+use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0};
+use crate::util::{
+    WARP, block, block_dim, f16_to_f32, grid_dim, release_next, shared, sync_threads, thread,
+    wait_for_inputs, warp_sum,
+};
 
 /// 16 bytes, for one vector load of 4 floats.
 #[repr(C, align(16))]
@@ -21,7 +24,7 @@ struct F32x4([f32; 4]);
 /// `T` 16-byte aligned: a vector load of 8 plain floats (16 bytes of f16, 32 of f32).
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
-struct Align16<T>(T);
+pub(crate) struct Align16<T>(T);
 
 #[inline(always)]
 pub(crate) fn fma(a: f32, b: f32, c: f32) -> f32 {
@@ -33,11 +36,27 @@ pub(crate) fn aligned<T>(p: *const T, bytes: usize) -> bool {
     (p as usize).is_multiple_of(bytes)
 }
 
+/// `bias[i]`, or 0 for a null bias.
+#[inline(always)]
+pub(crate) fn bias_at(bias: *const f32, i: usize) -> f32 {
+    if bias.is_null() {
+        0.0
+    } else {
+        unsafe { *bias.add(i) }
+    }
+}
+
 /// A weight matrix `[n_out, n_in]` in one storage format.
 pub(crate) trait Weights {
     /// Whether every weight is an f16 value, so that the tensor-core GEMM's split of it has no
     /// low part (see [`gemm_mma`]).
     const F16: bool = false;
+    /// A GEMV chunk (32 weights of a row) as loaded, before it is decoded.
+    type Chunk: Copy;
+    /// The factor of the vector's elements that [`Held`] keeps for `dot`.
+    const X_SCALE: f32 = 1.0;
+    /// The `[n_out, n_in]` matrix at `w`.
+    fn new(w: *const u8, n_out: u32, n_in: u32) -> Self;
     /// Whether every row starts 16-byte aligned and `n_in % 8 == 0`, so `load8::<true>` may
     /// use vector loads.
     fn vector(&self) -> bool;
@@ -47,16 +66,23 @@ pub(crate) trait Weights {
     /// Weight `k` of row `row`, for the tail of a row that is not whole groups of 8; rows of
     /// quantized weights never have one (they are whole blocks of 32 or 256).
     unsafe fn load1(&self, row: usize, k: usize) -> f32;
+    /// Chunk `c` of row `row`, weights `32c..32c + 32`. `VEC`: `vector()` holds and
+    /// `n_in % 32 == 0`; else weights past `n_in` are zeros.
+    unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk;
+    /// The chunk's weights times the same 32 elements of the vector.
+    fn dot(chunk: &Self::Chunk, x: &Held) -> f32;
 }
 
 /// A plain float format.
 pub(crate) trait Float: Copy {
     /// Whether this is f16 (see [`Weights::F16`]).
     const F16: bool = false;
+    const ZERO: Self;
     fn to_f32(self) -> f32;
 }
 
 impl Float for f32 {
+    const ZERO: f32 = 0.0;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self
@@ -65,6 +91,7 @@ impl Float for f32 {
 
 impl Float for f16 {
     const F16: bool = true;
+    const ZERO: f16 = 0.0;
     #[inline(always)]
     fn to_f32(self) -> f32 {
         self as f32
@@ -77,6 +104,7 @@ impl Float for f16 {
 pub(crate) struct Bf16(u16);
 
 impl Float for Bf16 {
+    const ZERO: Bf16 = Bf16(0);
     #[inline(always)]
     fn to_f32(self) -> f32 {
         f32::from_bits((self.0 as u32) << 16)
@@ -89,18 +117,18 @@ pub(crate) struct Plain<T> {
     n_in: usize,
 }
 
-impl<T: Float> Plain<T> {
+impl<T: Float> Weights for Plain<T> {
+    const F16: bool = T::F16;
+    type Chunk = [Align16<[T; 8]>; 4];
+
     #[inline(always)]
-    pub(crate) fn new(w: *const u8, n_in: u32) -> Self {
+    fn new(w: *const u8, _n_out: u32, n_in: u32) -> Self {
         Plain {
             w: w as *const T,
             n_in: n_in as usize,
         }
     }
-}
 
-impl<T: Float> Weights for Plain<T> {
-    const F16: bool = T::F16;
     #[inline(always)]
     fn vector(&self) -> bool {
         self.n_in.is_multiple_of(8) && aligned(self.w, 16)
@@ -120,100 +148,207 @@ impl<T: Float> Weights for Plain<T> {
     unsafe fn load1(&self, row: usize, k: usize) -> f32 {
         unsafe { *self.w.add(row * self.n_in + k) }.to_f32()
     }
-}
 
-/// Rows of `n_in / B::ELEMS` quantized blocks (the host checks that the matrix starts
-/// 16-byte aligned, which `Block::group` needs).
-pub(crate) struct Blocks<B> {
-    w: *const u8,
-    row_bytes: usize,
-    format: PhantomData<B>,
-}
-
-impl<B: Block> Blocks<B> {
     #[inline(always)]
-    pub(crate) fn new(w: *const u8, n_in: u32) -> Self {
-        Blocks {
-            w,
-            row_bytes: (n_in / B::ELEMS * B::BYTES) as usize,
-            format: PhantomData,
+    unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk {
+        let k0 = 32 * c as usize;
+        let p = unsafe { self.w.add(row * self.n_in + k0) };
+        core::array::from_fn(|g| {
+            if VEC {
+                unsafe { *(p.add(8 * g) as *const Align16<[T; 8]>) }
+            } else {
+                Align16(core::array::from_fn(|j| {
+                    let k = 8 * g + j;
+                    if k0 + k < self.n_in {
+                        unsafe { *p.add(k) }
+                    } else {
+                        T::ZERO
+                    }
+                }))
+            }
+        })
+    }
+
+    #[inline(always)]
+    fn dot(chunk: &Self::Chunk, x: &Held) -> f32 {
+        let mut acc = [0.0f32; 4];
+        for (g, w) in chunk.iter().enumerate() {
+            for (j, w) in w.0.iter().enumerate() {
+                acc[g] = fma(w.to_f32(), x.x[8 * g + j], acc[g]);
+            }
         }
+        (acc[0] + acc[1]) + (acc[2] + acc[3])
     }
 }
 
-impl<B: Block> Weights for Blocks<B> {
-    #[inline(always)]
-    fn vector(&self) -> bool {
-        true
-    }
+/// The weight types one compiled kernel serves: the register budget of a kernel is that of
+/// its hungriest type, so the decode kernels are built once per family (`decode.rs`).
+pub mod family {
+    /// Every type (kernels where registers do not matter).
+    pub const ANY: u32 = 0;
+    /// The packed quantized types (`quant::Packed`).
+    pub const PACKED: u32 = 1;
+    pub const F32: u32 = 2;
+    pub const F16: u32 = 3;
+    pub const BF16: u32 = 4;
+}
 
+/// `$body` with `$W` the [`Weights`] type of ggml type id `$ty`, among the types of kernel
+/// family `$family` (a constant: the other types' code is never built); traps on any other id.
+macro_rules! with_weights {
+    ($family:expr, $ty:expr, $W:ident => $body:expr) => {{
+        use crate::matmul::{Bf16, Plain, family};
+        use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, id};
+        let (ty, fam) = ($ty, $family);
+        let (any, packed) = (fam == family::ANY, fam == family::PACKED);
+        if (any || fam == family::F32) && ty == id::F32 {
+            type $W = Plain<f32>;
+            $body
+        } else if (any || fam == family::F16) && ty == id::F16 {
+            type $W = Plain<f16>;
+            $body
+        } else if (any || fam == family::BF16) && ty == id::BF16 {
+            type $W = Plain<Bf16>;
+            $body
+        } else if (any || packed) && ty == id::Q4_0 {
+            type $W = Packed<Q4_0>;
+            $body
+        } else if (any || packed) && ty == id::Q5_0 {
+            type $W = Packed<Q5_0>;
+            $body
+        } else if (any || packed) && ty == id::Q8_0 {
+            type $W = Packed<Q8_0>;
+            $body
+        } else if (any || packed) && ty == id::Q4_K {
+            type $W = Packed<Q4K>;
+            $body
+        } else if (any || packed) && ty == id::Q5_K {
+            type $W = Packed<Q5K>;
+            $body
+        } else if (any || packed) && ty == id::Q6_K {
+            type $W = Packed<Q6K>;
+            $body
+        } else {
+            unsafe { core::arch::nvptx::trap() }
+        }
+    }};
+}
+pub(crate) use with_weights;
+
+/// The 32 elements of the vector that a GEMV lane multiplies its chunk of every row by, loaded
+/// once and kept in registers (times the weights' `X_SCALE`), and the sums of its two halves.
+pub(crate) struct Held {
+    pub(crate) x: [f32; 32],
+    pub(crate) sum: [f32; 2],
+}
+
+impl Held {
+    /// Elements `32c..32c + 32` of `x` (`n` long), times those of `g` unless `g` is null (an
+    /// RMSNorm's weights), and the sum of their squares in `x` (0 without `g`). `VEC`: `x` and
+    /// `g` 16-byte aligned and `n % 32 == 0`; else element by element, zeros past `n`.
     #[inline(always)]
-    unsafe fn load8<const VEC: bool>(&self, row: usize, k: u32) -> [f32; 8] {
-        let b = unsafe {
-            self.w
-                .add(row * self.row_bytes + (k / B::ELEMS * B::BYTES) as usize)
+    pub(crate) fn load<W: Weights, const VEC: bool>(
+        x: *const f32,
+        g: *const f32,
+        c: u32,
+        n: u32,
+    ) -> (Held, f32) {
+        let k0 = 32 * c as usize;
+        let n = n as usize;
+        // Four floats at `k` of `p`: one vector load, or element by element up to `n`.
+        let load4 = |p: *const f32, k: usize| -> [f32; 4] {
+            if VEC {
+                unsafe { *(p.add(k) as *const F32x4) }.0
+            } else {
+                let at = |j: usize| if k + j < n { unsafe { *p.add(k + j) } } else { 0.0 };
+                [at(0), at(1), at(2), at(3)]
+            }
         };
-        unsafe { B::group(b, k % B::ELEMS / 8) }
-    }
-
-    #[inline(always)]
-    unsafe fn load1(&self, _row: usize, _k: usize) -> f32 {
-        f32::NAN
+        let mut v = [0.0f32; 32];
+        for q in 0..8 {
+            v[4 * q..4 * q + 4].copy_from_slice(&load4(x, k0 + 4 * q));
+        }
+        let mut ss = 0.0;
+        if !g.is_null() {
+            for q in 0..8 {
+                let g4 = load4(g, k0 + 4 * q);
+                for (j, g) in g4.iter().enumerate() {
+                    let x = v[4 * q + j];
+                    ss = fma(x, x, ss);
+                    v[4 * q + j] = x * g;
+                }
+            }
+        }
+        let half = |h: usize| v[16 * h..16 * h + 16].iter().fold(0.0, |s, v| s + v);
+        let sum = [half(0), half(1)];
+        (Held { x: v.map(|v| v * W::X_SCALE), sum }, ss)
     }
 }
 
-/// 8 floats of `x` at `k` (`k % 8 == 0`); `VEC`: `x + k` is 16-byte aligned.
+/// The GEMV: units `0..n_units` of 2 weight rows each (`rows(unit)`: matrix and row), every
+/// row times the vector that `held()` gives this lane, with `split` warps per unit
+/// (`n_chunks <= 32·split`): lane `l` of part `p` (warp `w`: part `w % split` of unit
+/// `w / split` of a round) takes chunk `32p + l` of every row, the chunk it holds, and lanes
+/// past `n_chunks` count zeros. The first round's chunks (weights: no kernel writes them) are
+/// loaded before the wait for the kernel before this one (`wait_for_inputs`) and before `held`
+/// runs (which may wait on a barrier), and each next round's before this round's are
+/// multiplied; `held` and `rows` may read what earlier kernels wrote. The block
+/// runs rounds of `blockDim / 32 / split` units, block `block` of `blocks` striding over them.
+/// `out(unit, sums, t)` runs on one thread per unit with the 2 dot products and `held`'s `t`.
+/// Every thread of the block must call it (with `split > 1` the meetings sync the block).
+/// Shared: 2 f32 per warp.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) fn load_x8<const VEC: bool>(x: *const f32, k: u32) -> [f32; 8] {
-    let k = k as usize;
-    if VEC {
-        let [a, b] = [0, 4].map(|j| unsafe { *(x.add(k + j) as *const F32x4) }.0);
-        core::array::from_fn(|j| if j < 4 { a[j] } else { b[j - 4] })
-    } else {
-        core::array::from_fn(|j| unsafe { *x.add(k + j) })
+pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, const VEC: bool>(
+    held: impl FnOnce() -> (Held, T),
+    n_chunks: u32,
+    n_units: u32,
+    split: u32,
+    block: u32,
+    blocks: u32,
+    rows: impl Fn(u32) -> [(&'a W, usize); 2],
+    mut out: impl FnMut(u32, [f32; 2], T),
+) {
+    let (lane, warp) = (thread() % WARP, thread() / WARP);
+    let per_block = block_dim() / WARP / split;
+    let stride = blocks * per_block;
+    let c = warp % split * WARP + lane;
+    let (live, c) = (c < n_chunks, c.min(n_chunks - 1));
+    // Units past the end load the last one's chunks again (cached), so that every load is
+    // unconditional and in flight before the products that wait for it. Two rows written
+    // out: an array indexed in a loop would live in local memory.
+    let load = |first: u32| {
+        let [(w0, r0), (w1, r1)] = rows((first + warp / split).min(n_units - 1));
+        unsafe { (w0.load_chunk::<VEC>(r0, c), w1.load_chunk::<VEC>(r1, c)) }
+    };
+    let mut first = block * per_block;
+    let (mut a, mut b) = load(first);
+    wait_for_inputs();
+    release_next();
+    let (x, t) = held();
+    while first < n_units {
+        let (next_a, next_b) = load(first + stride);
+        // A select, as a branch around the products would have LLVM sink the loads into it.
+        let dot = |ch: &W::Chunk| warp_sum(if live { W::dot(ch, &x) } else { 0.0 });
+        let sums = [dot(&a), dot(&b)];
+        gemv_meet(sums, split, |u, sums| {
+            if first + u < n_units {
+                out(first + u, sums, t)
+            }
+        });
+        (a, b) = (next_a, next_b);
+        first += stride;
     }
 }
 
-/// Groups of 8 weights each lane of the GEMV has in flight at once, per row (written out below).
-pub(crate) const GEMV_UNROLL: usize = 4;
-
-/// The vector a GEMV multiplies the weight rows by: `x` itself, or (the fused kernels of
-/// decode.rs) `x` times an RMSNorm's weights, with `x`'s sum of squares kept along.
-pub(crate) trait Operand {
-    /// Whether `load8` returns a sum of squares worth reducing.
-    const SQUARES: bool;
-    /// Whether `load8::<true>` may use 16-byte vector loads.
-    fn vector(&self) -> bool;
-    /// The floats `k..k + 8` (`k % 8 == 0`) the products take and their share of the sum of
-    /// squares (0 without `SQUARES`), for slot `u` of a step of `gemv_dots`. `VEC`: `vector()`
-    /// holds.
-    unsafe fn load8<const VEC: bool>(&self, u: usize, k: u32) -> ([f32; 8], f32);
-    /// The same for the one float at `k`, in the tail of a row that is not whole groups of 8.
-    unsafe fn load1(&self, k: usize) -> (f32, f32);
+/// This lane's chunk for `split` warps per unit (`thread() / 32 % split · 32 + lane`),
+/// clamped into `0..n_chunks`.
+#[inline(always)]
+pub(crate) fn lane_chunk(split: u32, n_chunks: u32) -> u32 {
+    (thread() / WARP % split * WARP + thread() % WARP).min(n_chunks - 1)
 }
 
-impl Operand for *const f32 {
-    const SQUARES: bool = false;
-
-    #[inline(always)]
-    fn vector(&self) -> bool {
-        aligned(*self, 16)
-    }
-
-    #[inline(always)]
-    unsafe fn load8<const VEC: bool>(&self, _u: usize, k: u32) -> ([f32; 8], f32) {
-        (load_x8::<VEC>(*self, k), 0.0)
-    }
-
-    #[inline(always)]
-    unsafe fn load1(&self, k: usize) -> (f32, f32) {
-        (unsafe { *self.add(k) }, 0.0)
-    }
-}
-
-/// The GEMV: `split` warps per output (a power of two dividing `blockDim / 32`), the
-/// `32·split` lanes taking the row's 8-weight groups in turn, so that a warp's lanes read
-/// consecutive bytes; with `split > 1` the warps' sums meet in shared memory.
+/// The GEMV of the entry points: `y[o] = w[o, :]·x + bias[o]`, units of two rows.
 #[inline(always)]
 unsafe fn gemv<W: Weights>(
     y: *mut f32,
@@ -224,15 +359,15 @@ unsafe fn gemv<W: Weights>(
     n_out: u32,
     split: u32,
 ) {
-    if w.vector() && n_in >= 8 && x.vector() {
-        unsafe { gemv_vec::<W, true>(y, x, w, bias, n_in, n_out, split) }
+    if w.vector() && n_in.is_multiple_of(32) && aligned(x, 16) {
+        unsafe { gemv_rows::<W, true>(y, x, w, bias, n_in, n_out, split) }
     } else {
-        unsafe { gemv_vec::<W, false>(y, x, w, bias, n_in, n_out, split) }
+        unsafe { gemv_rows::<W, false>(y, x, w, bias, n_in, n_out, split) }
     }
 }
 
 #[inline(always)]
-unsafe fn gemv_vec<W: Weights, const VEC: bool>(
+unsafe fn gemv_rows<W: Weights, const VEC: bool>(
     y: *mut f32,
     x: *const f32,
     w: W,
@@ -241,92 +376,19 @@ unsafe fn gemv_vec<W: Weights, const VEC: bool>(
     n_out: u32,
     split: u32,
 ) {
-    let warp = thread() / WARP;
-    let first = block() * (block_dim() / WARP / split);
-    let o = first + warp / split;
-    // The whole warp skips together, so the shuffles see full warps; it still meets below.
-    let ([acc], _) = if o < n_out {
-        let rows = [(&w, o as usize)];
-        unsafe { gemv_dots::<W, _, VEC, 1>(rows, &x, n_in, warp % split, split) }
-    } else {
-        ([0.0], 0.0)
-    };
-    gemv_meet([acc], split, |unit, [s]| {
-        let o = first + unit;
-        if o < n_out {
-            let b = if bias.is_null() {
-                0.0
-            } else {
-                unsafe { *bias.add(o as usize) }
-            };
-            unsafe { *y.add(o as usize) = s + b };
-        }
-    });
-}
-
-/// One GEMV unit's products for part `part` of its `split` warps: the `N` weight rows `rows`
-/// (matrix, row) times `x` (`n_in` long), and `x`'s sum of squares if it keeps one, each
-/// summed over the warp (every lane gets them). The `32·split` lanes take the rows'
-/// 8-weight groups in turn, so that a warp's lanes read consecutive bytes: lane `l` of part
-/// `p` takes, in slot `u` of its first step, group `32·p + l + 32·split·u` (clamped to the last
-/// group, and then not counted), and each further step the groups `128·split` later. All the
-/// loads of one step (`GEMV_UNROLL` groups of every row) are issued before the first is waited
-/// for. The whole warp must call it.
-#[inline(always)]
-pub(crate) unsafe fn gemv_dots<W: Weights, X: Operand, const VEC: bool, const N: usize>(
-    rows: [(&W, usize); N],
-    x: &X,
-    n_in: u32,
-    part: u32,
-    split: u32,
-) -> ([f32; N], f32) {
-    let lane = thread() % WARP;
-    let (mut acc, mut ss) = ([0.0f32; N], 0.0f32);
-    let groups = n_in / 8;
-    let mut c0 = part * WARP + lane;
-    while c0 < groups {
-        // Groups past the row's end are clamped into it (and count as zeros below), so
-        // that the loads are straight-line code, all in flight before the first is waited
-        // for. Written out: LLVM does not unroll an `array::map` of a dequantizing body.
-        let c = [0, 1, 2, 3].map(|u| c0 + u * WARP * split);
-        let at = |u: usize| 8 * c[u].min(groups - 1);
-        let load = |u: usize| rows.map(|(w, o)| unsafe { w.load8::<VEC>(o, at(u)) });
-        let wv = [load(0), load(1), load(2), load(3)];
-        let xv = unsafe {
-            [
-                x.load8::<VEC>(0, at(0)),
-                x.load8::<VEC>(1, at(1)),
-                x.load8::<VEC>(2, at(2)),
-                x.load8::<VEC>(3, at(3)),
-            ]
-        };
-        for (u, (xv, sq)) in xv.iter().enumerate() {
-            // A select, as a branch around the products would have LLVM sink the loads
-            // into it.
-            let live = c[u] < groups;
-            for (acc, wv) in acc.iter_mut().zip(&wv[u]) {
-                let mut dot = 0.0;
-                for (w, x) in wv.iter().zip(xv) {
-                    dot = fma(*w, *x, dot);
-                }
-                *acc += if live { dot } else { 0.0 };
+    let n_chunks = n_in.div_ceil(32);
+    let c = lane_chunk(split, n_chunks);
+    let held = || Held::load::<W, VEC>(x, core::ptr::null(), c, n_in);
+    let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
+    let out = |u: u32, sums: [f32; 2], _| {
+        for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
+            if r < n_out {
+                unsafe { *y.add(r as usize) = s + bias_at(bias, r as usize) };
             }
-            ss += if live { *sq } else { 0.0 };
         }
-        c0 += GEMV_UNROLL as u32 * WARP * split;
-    }
-    // A row of plain floats that is not whole groups of 8 ends in up to 7 more.
-    let k = 8 * groups + lane;
-    if part == 0 && k < n_in {
-        let k = k as usize;
-        let (xk, sq) = unsafe { x.load1(k) };
-        for (acc, (w, o)) in acc.iter_mut().zip(&rows) {
-            *acc = fma(unsafe { w.load1(*o, k) }, xk, *acc);
-        }
-        ss += sq;
-    }
-    let ss = if X::SQUARES { warp_sum(ss) } else { 0.0 };
-    (acc.map(warp_sum), ss)
+    };
+    let units = n_out.div_ceil(2);
+    gemv_units::<W, f32, VEC>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
 }
 
 /// Where the `split` warps of each GEMV unit meet: `out(unit, sums)` runs once for each unit
@@ -372,78 +434,96 @@ pub(crate) fn gemv_meet<const M: usize>(
 const TILE_M: usize = 64;
 const TILE_N: usize = 64;
 const TILE_K: usize = 32;
-/// Row stride in floats of the shared `[TILE_K][64]` tiles: 4 floats of padding keep every
-/// row 16-byte aligned.
+/// Threads of a group of 4 warps: the tensor-core loop's consumer or one team of its producers
+/// (see [`gemm_mma`]), or the f32 loop.
+const GROUP: u32 = 128;
+/// Row stride in floats of the f32 loop's shared `[TILE_K][64]` tiles: 4 floats of padding
+/// keep every row 16-byte aligned.
 const LDS: usize = 64 + 4;
 
-/// One K step of a block's tiles, in registers on their way to shared memory. Thread `t` holds
-/// x rows `t / 8` and `t / 8 + 32` at k `4·(t % 8)..+4`, and w row `t / 4` at k `8·(t % 4)..+8`
-/// (dequantized): 256 threads cover the 64×32 x tile and the 64×32 w tile once.
+/// One K step of a tile, in registers on their way to shared memory. Thread `t` of a group
+/// holds x rows `t / 8 + 16p` (`p` in 0..4) at k `4·(t % 8)..+4`, and w rows `t / 4 + 32p`
+/// (`p` in 0..2) at k `8·(t % 4)..+8` (dequantized): the group's 128 threads cover the 64×32
+/// x tile and the 64×32 w tile once.
+#[derive(Clone, Copy)]
 struct Staged {
-    x: [[f32; 4]; 2],
-    w: [f32; 8],
+    x: [[f32; 4]; 4],
+    w: [[f32; 8]; 2],
 }
 
-/// What a block needs to stage its tiles.
+impl Staged {
+    const ZERO: Staged = Staged {
+        x: [[0.0; 4]; 4],
+        w: [[0.0; 8]; 2],
+    };
+}
+
+/// What a block needs to stage its tiles (sizes as the kernel got them, `u32`, which keeps the
+/// index math in 32-bit registers).
 struct Tiles<W> {
     x: *const f32,
     w: W,
-    rows: usize,
-    n_in: usize,
-    n_out: usize,
-    row0: usize,
-    col0: usize,
+    rows: u32,
+    n_in: u32,
+    n_out: u32,
+    row0: u32,
+    col0: u32,
 }
 
 impl<W: Weights> Tiles<W> {
-    /// The K step at `k0`: zeros past `n_in`, and past the last row of `x` or `w` either zeros
-    /// (`!VEC`) or that row's values again (`VEC`), which only reach outputs that are not
-    /// written. `VEC`: `n_in % 8 == 0`, `x` 16-byte aligned and `w.vector()`: every 4 floats
-    /// and 8 weights a thread loads are then aligned and wholly inside or wholly outside `n_in`.
+    /// The K step at `k0` as thread `t` of a group stages it. Past the last row of `x` or `w`:
+    /// zeros (`!VEC`) or that row's values again (`VEC`), which only reach outputs that are not
+    /// written. Past `n_in`: zeros in x; in w zeros (`!VEC`) or the row's last 8 weights again
+    /// (`VEC`), whose products with those zeros vanish (`Staged::store` zeroes them for the f32
+    /// loop, where an infinite weight would make them NaN). `VEC`: `n_in % 8 == 0`, `x` 16-byte
+    /// aligned and `w.vector()`: every 4 floats and 8 weights a thread loads are then aligned
+    /// and wholly inside or wholly outside `n_in`.
     #[inline(always)]
-    fn load<const VEC: bool>(&self, k0: usize) -> Staged {
-        let t = thread() as usize;
-        let mut s = Staged {
-            x: [[0.0; 4]; 2],
-            w: [0.0; 8],
-        };
+    fn load<const VEC: bool>(&self, k0: u32, t: u32) -> Staged {
+        let mut s = Staged::ZERO;
+        let (n_in, kx, kw) = (self.n_in, k0 + 4 * (t % 8), k0 + 8 * (t % 4));
+        // Float `k` of row `r` of x.
+        let x_at = |r: u32, k: u32| unsafe { self.x.add(r as usize * n_in as usize + k as usize) };
         if VEC {
-            // Without a branch around a load, so that all the loads are in flight before the
-            // first is waited for (and the compiler may schedule other work in between):
-            // indices are clamped into the matrices, and what lies past `n_in` replaced by
-            // zeros.
+            // Without a branch around a load or its use, so that all the loads are in flight
+            // before the first is waited for and the compiler may schedule other work before
+            // the uses: indices are clamped into the matrices, and x past `n_in` replaced by
+            // zeros by a select.
             for (p, xs) in s.x.iter_mut().enumerate() {
-                let r = (self.row0 + t / 8 + 32 * p).min(self.rows - 1);
-                let k = k0 + 4 * (t % 8);
-                let at = unsafe { self.x.add(r * self.n_in + k.min(self.n_in - 4)) };
-                let v = unsafe { *(at as *const F32x4) }.0;
-                *xs = if k < self.n_in { v } else { [0.0; 4] };
+                let r = (self.row0 + t / 8 + 16 * p as u32).min(self.rows - 1);
+                let v = unsafe { *(x_at(r, kx.min(n_in - 4)) as *const F32x4) }.0;
+                *xs = if kx < n_in { v } else { [0.0; 4] };
             }
-            let (n, k) = ((self.col0 + t / 4).min(self.n_out - 1), k0 + 8 * (t % 4));
-            let v = unsafe { self.w.load8::<true>(n, k.min(self.n_in - 8) as u32) };
-            s.w = if k < self.n_in { v } else { [0.0; 8] };
+            for (p, ws) in s.w.iter_mut().enumerate() {
+                let n = (self.col0 + t / 4 + 32 * p as u32).min(self.n_out - 1);
+                *ws = unsafe { self.w.load8::<true>(n as usize, kw.min(n_in - 8)) };
+            }
             return s;
         }
         for (p, xs) in s.x.iter_mut().enumerate() {
-            let (r, k) = (self.row0 + t / 8 + 32 * p, k0 + 4 * (t % 8));
+            let r = self.row0 + t / 8 + 16 * p as u32;
             if r >= self.rows {
                 continue;
             }
-            let at = unsafe { self.x.add(r * self.n_in) };
             for (j, v) in xs.iter_mut().enumerate() {
-                if k + j < self.n_in {
-                    *v = unsafe { *at.add(k + j) };
+                let k = kx + j as u32;
+                if k < n_in {
+                    *v = unsafe { *x_at(r, k) };
                 }
             }
         }
-        let (n, k) = (self.col0 + t / 4, k0 + 8 * (t % 4));
-        if n < self.n_out {
-            if k + 8 <= self.n_in {
-                s.w = unsafe { self.w.load8::<false>(n, k as u32) };
+        for (p, ws) in s.w.iter_mut().enumerate() {
+            let n = self.col0 + t / 4 + 32 * p as u32;
+            if n >= self.n_out {
+                continue;
+            }
+            if kw + 8 <= n_in {
+                *ws = unsafe { self.w.load8::<false>(n as usize, kw) };
             } else {
-                for (j, v) in s.w.iter_mut().enumerate() {
-                    if k + j < self.n_in {
-                        *v = unsafe { self.w.load1(n, k + j) };
+                for (j, v) in ws.iter_mut().enumerate() {
+                    let k = kw as usize + j;
+                    if k < n_in as usize {
+                        *v = unsafe { self.w.load1(n as usize, k) };
                     }
                 }
             }
@@ -453,30 +533,34 @@ impl<W: Weights> Tiles<W> {
 }
 
 impl Staged {
-    /// Writes the step into the shared tiles, transposed to `[k][row]` so that the product
-    /// loop reads 4 consecutive rows with one 16-byte load.
+    /// Writes the step at `k0`, as thread `t` of a group staged it, into the f32 loop's shared
+    /// tiles, transposed to `[k][row]` so that the product loop reads consecutive rows with
+    /// 16-byte loads; weights at or past `n_in` as zeros.
     #[inline(always)]
-    fn store(&self, xs: *mut f32, ws: *mut f32) {
-        let t = thread() as usize;
+    fn store(&self, xs: *mut f32, ws: *mut f32, t: usize, k0: u32, n_in: u32) {
         for (p, v) in self.x.iter().enumerate() {
-            let (r, k) = (t / 8 + 32 * p, 4 * (t % 8));
+            let (r, k) = (t / 8 + 16 * p, 4 * (t % 8));
             for (j, v) in v.iter().enumerate() {
                 unsafe { *xs.add((k + j) * LDS + r) = *v };
             }
         }
-        let (n, k) = (t / 4, 8 * (t % 4));
-        for (j, v) in self.w.iter().enumerate() {
-            unsafe { *ws.add((k + j) * LDS + n) = *v };
+        let k = 8 * (t % 4);
+        let live = k0 + (k as u32) < n_in;
+        for (p, v) in self.w.iter().enumerate() {
+            let n = t / 4 + 32 * p;
+            for (j, v) in v.iter().enumerate() {
+                unsafe { *ws.add((k + j) * LDS + n) = if live { *v } else { 0.0 } };
+            }
         }
     }
 }
 
 /// The tiled GEMM: block `b` computes the 64×64 output tile at token rows
 /// `64·(b % ceil(rows / 64))` and outputs `64·(b / ceil(rows / 64))`, in K steps of 32 staged
-/// through shared memory (the next step's global loads are issued before the current step's
-/// products). Consecutive blocks share one weight tile, so each weight tile is read from DRAM
-/// about once. Where rows of x and w are 16-byte aligned the tile runs on tensor cores
-/// ([`gemm_mma`]), else (or where an operand overflows f16) on the f32 loop `gemm_vec`.
+/// through shared memory. Consecutive blocks share one weight tile, so each weight tile is
+/// read from DRAM about once. Where rows of x and w are 16-byte aligned (and the block has at
+/// least 2 groups of 128 threads) the tile runs on tensor cores ([`gemm_mma`]), else (or where
+/// an operand overflows f16) on the f32 loop `gemm_vec`.
 #[inline(always)]
 unsafe fn gemm<W: Weights>(
     y: *mut f32,
@@ -488,19 +572,19 @@ unsafe fn gemm<W: Weights>(
     n_out: u32,
 ) {
     let vector = w.vector() && n_in >= 8 && aligned(x, 16);
-    let (rows, n_in, n_out) = (rows as usize, n_in as usize, n_out as usize);
-    let row_tiles = rows.div_ceil(TILE_M);
-    let b = block() as usize;
+    let row_tiles = rows.div_ceil(TILE_M as u32);
+    let b = block();
     let tiles = Tiles {
         x,
         w,
         rows,
         n_in,
         n_out,
-        row0: b % row_tiles * TILE_M,
-        col0: b / row_tiles * TILE_N,
+        row0: b % row_tiles * TILE_M as u32,
+        col0: b / row_tiles * TILE_N as u32,
     };
-    if vector {
+    // The tensor-core loop needs a producer team besides its consumer.
+    if vector && block_dim() >= 2 * GROUP {
         // Tensor cores, unless an operand overflows f16: then the f32 loop redoes the tile.
         if unsafe { !gemm_mma(y, bias, &tiles) } {
             unsafe { gemm_vec::<W, true>(y, bias, &tiles) }
@@ -510,57 +594,65 @@ unsafe fn gemm<W: Weights>(
     }
 }
 
-/// The f32 loop of [`gemm`]: thread `t` owns the 4×4 outputs at rows `4·(t / 16)` and
-/// columns `4·(t % 16)` of the tile, summed by FMA.
+/// The f32 loop of [`gemm`], on the block's first group (the other threads only meet at its
+/// barriers): thread `t` owns the 8×4 outputs at rows `8·(t / 16)` and columns `4·(t % 16)` of
+/// the tile, summed by FMA. Shared: 17408 bytes.
 #[inline(always)]
 unsafe fn gemm_vec<W: Weights, const VEC: bool>(y: *mut f32, bias: *const f32, tiles: &Tiles<W>) {
-    let (rows, n_in, n_out) = (tiles.rows, tiles.n_in, tiles.n_out);
+    let (rows, n_in, n_out) = (tiles.rows as usize, tiles.n_in, tiles.n_out as usize);
     // Declared as 16-byte elements so that the shared array is 16-byte aligned.
     let xs = shared::<F32x4>() as *mut f32;
     let ws = unsafe { xs.add(TILE_K * LDS) };
     let t = thread() as usize;
-    let (tr, tc) = (4 * (t / 16), 4 * (t % 16));
-    let mut acc = [[0.0f32; 4]; 4];
-    let mut staged = tiles.load::<VEC>(0);
+    let live = t < GROUP as usize;
+    let (tr, tc) = (8 * (t / 16), 4 * (t % 16));
+    let load = |k0: u32| {
+        if live {
+            tiles.load::<VEC>(k0, t as u32)
+        } else {
+            Staged::ZERO
+        }
+    };
+    let mut acc = [[0.0f32; 4]; 8];
+    let mut staged = load(0);
     let mut k0 = 0;
     // Every thread runs the same number of steps: the barriers are reached by all.
     while k0 < n_in {
-        staged.store(xs, ws);
-        sync_threads();
-        if k0 + TILE_K < n_in {
-            staged = tiles.load::<VEC>(k0 + TILE_K);
+        if live {
+            staged.store(xs, ws, t, k0, n_in);
         }
-        // Unrolled by 8 by hand (LLVM unrolls this loop by 2 on its own).
-        let mut k8 = 0;
-        while k8 < TILE_K {
-            for k in k8..k8 + 8 {
-                let a = unsafe { *(xs.add(k * LDS + tr) as *const F32x4) }.0;
+        sync_threads();
+        if k0 + (TILE_K as u32) < n_in {
+            staged = load(k0 + TILE_K as u32);
+        }
+        if live {
+            // Not unrolled (an opaque trip count): the f32 loop only redoes rare tiles, and its
+            // registers count for the whole kernel.
+            for k in 0..opaque(TILE_K as u32) as usize {
+                let a = [0, 4].map(|i| unsafe { *(xs.add(k * LDS + tr + i) as *const F32x4) }.0);
                 let b = unsafe { *(ws.add(k * LDS + tc) as *const F32x4) }.0;
-                for i in 0..4 {
-                    for j in 0..4 {
-                        acc[i][j] = fma(a[i], b[j], acc[i][j]);
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    for (j, acc) in acc.iter_mut().enumerate() {
+                        *acc = fma(a[i / 4][i % 4], b[j], *acc);
                     }
                 }
             }
-            k8 += 8;
         }
         sync_threads();
-        k0 += TILE_K;
+        k0 += TILE_K as u32;
+    }
+    if !live {
+        return;
     }
     for (i, acc) in acc.iter().enumerate() {
-        let r = tiles.row0 + tr + i;
+        let r = tiles.row0 as usize + tr + i;
         if r >= rows {
             break;
         }
         for (j, acc) in acc.iter().enumerate() {
-            let c = tiles.col0 + tc + j;
+            let c = tiles.col0 as usize + tc + j;
             if c < n_out {
-                let b = if bias.is_null() {
-                    0.0
-                } else {
-                    unsafe { *bias.add(c) }
-                };
-                unsafe { *y.add(r * n_out + c) = acc + b };
+                unsafe { *y.add(r * n_out + c) = acc + bias_at(bias, c) };
             }
         }
     }
@@ -572,17 +664,32 @@ unsafe fn gemm_vec<W: Weights, const VEC: bool>(y: *mut f32, bias: *const f32, t
 const LO_SCALE: f32 = 2048.0;
 /// Bytes of one 64-row tile of a K step in shared memory: 64 rows of 32 halves.
 const MMA_TILE_BYTES: u32 = (TILE_M * TILE_K * 2) as u32;
-/// One K step in shared memory: the tiles x hi, x lo, w hi, w lo, in that order.
-const MMA_STAGE_BYTES: u32 = 4 * MMA_TILE_BYTES;
-/// Row stride in floats of the finished output tile in shared memory.
-const OUT_STRIDE: usize = TILE_N + 8;
+/// One K step of 32 in shared memory: the tiles x hi, x lo, w hi, w lo, in that order.
+const MMA_STEP_BYTES: u32 = 4 * MMA_TILE_BYTES;
+/// Slots of K steps in shared memory that each producer team of the tensor-core loop fills in
+/// turn (see [`gemm_mma`]), the most teams, and the slots' named barriers: `MMA_FULL + slot`
+/// (the slot's step is stored) and `MMA_EMPTY + slot` (it has been read), ids 1 to 14 (of 16;
+/// 0 is the block's).
+const MMA_TEAM_SLOTS: u32 = 2;
+const MMA_TEAMS: u32 = 3;
+const MMA_FULL: u32 = 1;
+const MMA_EMPTY: u32 = MMA_FULL + MMA_TEAM_SLOTS * MMA_TEAMS;
 
 /// Byte offset of halves `8c..8c + 8` (`c` in 0..4) of row `r` in a tile. The four 16-byte
 /// chunks of a row are permuted by `(r / 2) % 4`: the 8 rows that one `ldmatrix` phase reads
-/// at one chunk, and the 8 chunks one store phase writes, then fall into distinct banks.
+/// at one chunk, and the 8 chunks one store phase writes, then fall into distinct banks. For
+/// `c < 2`, chunk `c + 2` is at `chunk_at(r, c) ^ 32`.
 #[inline(always)]
 fn chunk_at(r: u32, c: u32) -> u32 {
     64 * r + 16 * (c ^ (r / 2 % 4))
+}
+
+/// `v`, through an instruction the compiler cannot see through.
+#[inline(always)]
+fn opaque(v: u32) -> u32 {
+    let r: u32;
+    unsafe { asm!("mov.b32 {0}, {1};", out(reg32) r, in(reg32) v, options(pure, nomem, nostack)) };
+    r
 }
 
 /// The shared-window address of `p`, which points into shared memory.
@@ -666,23 +773,24 @@ fn split<const N: usize, const W: usize>(v: &[f32; N]) -> ([u32; W], [u32; W]) {
 }
 
 impl Staged {
-    /// Writes the step into the shared stage at `stage` as split halves, row-major (the
-    /// fragments' order); `w_lo`: with the weights' low halves.
+    /// Writes the step, as thread `t` of a group staged it, into the shared stage at `stage` as
+    /// split halves, row-major (the fragments' order); `w_lo`: with the weights' low halves.
     #[inline(always)]
-    fn store_split(&self, stage: u32, w_lo: bool) {
-        let t = thread();
+    fn store_split(&self, stage: u32, w_lo: bool, t: u32) {
         for (p, v) in self.x.iter().enumerate() {
-            let (r, k) = (t / 8 + 32 * p as u32, 4 * (t % 8));
+            let (r, k) = (t / 8 + 16 * p as u32, 4 * (t % 8));
             let at = stage + chunk_at(r, k / 8) + 2 * (k % 8);
             let (hi, lo) = split::<4, 2>(v);
             store_shared2(at, hi);
             store_shared2(at + MMA_TILE_BYTES, lo);
         }
-        let at = stage + 2 * MMA_TILE_BYTES + chunk_at(t / 4, t % 4);
-        let (hi, lo) = split::<8, 4>(&self.w);
-        store_shared4(at, hi);
-        if w_lo {
-            store_shared4(at + MMA_TILE_BYTES, lo);
+        for (p, v) in self.w.iter().enumerate() {
+            let at = stage + 2 * MMA_TILE_BYTES + chunk_at(t / 4 + 32 * p as u32, t % 4);
+            let (hi, lo) = split::<8, 4>(v);
+            store_shared4(at, hi);
+            if w_lo {
+                store_shared4(at + MMA_TILE_BYTES, lo);
+            }
         }
     }
 }
@@ -690,6 +798,10 @@ impl Staged {
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.barrier0.or"]
     fn barrier_or(p: i32) -> i32;
+    #[link_name = "llvm.nvvm.barrier.cta.sync.aligned.count"]
+    fn barrier_sync(id: u32, threads: u32);
+    #[link_name = "llvm.nvvm.barrier.cta.arrive.aligned.count"]
+    fn barrier_arrive(id: u32, threads: u32);
 }
 
 /// The 64×64 tile of [`gemm`] on tensor cores (`mma.sync` m16n8k16: f16 products, exact, summed
@@ -699,141 +811,151 @@ unsafe extern "C" {
 /// for f16 weights (`W::F16`: their `lo` is 0). `hi + lo / LO_SCALE` is the operand to 2^-22
 /// of it while `|v| >= 2^-14` (`hi` a normal f16), and to 2^-36 absolute below.
 ///
-/// The K steps of 32 are staged through two shared stages (the next step's global loads are
-/// issued before the current step's products, and its split halves stored after them). Warp
-/// `w` takes the k half `w / 4` (16 of the 32) of every step for the 32×32 quarter `w % 4` of
-/// the tile: 2×4 m16n8 tiles; at the end warps 4-7 hand their sums to warps 0-3 through shared
-/// memory. Shared: 2 stages of 4 tiles `[64][32]` f16 (32768 bytes).
+/// The block's warps specialize, so that waiting on global loads never holds up the products:
+/// warps 0-3, the consumer, multiply the K steps of 32 in order, warp `w` the 32×32 quarter `w`
+/// of the tile (2×4 m16n8 tiles over both k16 halves of every step); each further 4 warps are
+/// a team of producers (`T = blockDim / 128 - 1` teams, at most `MMA_TEAMS`: more warps idle),
+/// team `p` staging the steps `p, p + T, p + 2T, ...` (global loads, dequantization, split)
+/// into its own `MMA_TEAM_SLOTS` shared slots in turn: step `s` goes to slot
+/// `MMA_TEAM_SLOTS·(s % T) + (s / T) % MMA_TEAM_SLOTS`. A slot is handed over by its two named
+/// barriers (`bar.arrive` by the side that is done with it, `bar.sync` by the side that waits
+/// for it); as only one team ever fills it, each barrier's generations alternate between that
+/// team and the consumer (a slot shared by two teams would let one team's wait complete with
+/// the consumer's release meant for the other). So each team waits on its loads (issued before
+/// it waits for its slot) while the consumer multiplies the steps that other teams staged. The
+/// consumer writes the tile out. Block: 128·(1 + T) threads, `T` >= 1; shared:
+/// `T·MMA_TEAM_SLOTS` slots of 4 tiles `[64][32]` f16 (`T`·32768 bytes).
 ///
 /// An operand of |v| >= 65520 has `hi = inf` (f16 overflow) and makes its sums non-finite: then
-/// the tile is left unwritten and `false` returned (for the whole block), and the caller redoes
-/// it in f32 (as it does, harmlessly, for inf and NaN inputs, whose outputs are not finite
-/// either way).
+/// `false` is returned (for the whole block), and the caller redoes the tile in f32 (as it
+/// does, harmlessly, for inf and NaN inputs, whose outputs are not finite either way).
+#[inline(always)]
+unsafe fn gemm_mma<W: Weights>(y: *mut f32, bias: *const f32, tiles: &Tiles<W>) -> bool {
+    let base = shared_addr(shared::<F32x4>());
+    let t = thread();
+    let steps = tiles.n_in.div_ceil(TILE_K as u32);
+    let teams = (block_dim() / GROUP - 1).min(MMA_TEAMS);
+    let mut finite = true;
+    if t < GROUP {
+        finite = unsafe { mma_consume::<W>(y, bias, tiles, base, steps, teams) };
+    } else if t / GROUP <= teams {
+        let (team, tg) = (t / GROUP - 1, t % GROUP);
+        // The team's `turn`-th step.
+        let (mut s, mut turn) = (team, 0);
+        while s < steps {
+            // The loads first: the wait for the slot, the dequantization and split after.
+            let staged = tiles.load::<true>(s * TILE_K as u32, tg);
+            let slot = MMA_TEAM_SLOTS * team + turn % MMA_TEAM_SLOTS;
+            if turn >= MMA_TEAM_SLOTS {
+                unsafe { barrier_sync(MMA_EMPTY + slot, 2 * GROUP) };
+            }
+            staged.store_split(base + slot * MMA_STEP_BYTES, !W::F16, tg);
+            unsafe { barrier_arrive(MMA_FULL + slot, 2 * GROUP) };
+            (s, turn) = (s + teams, turn + 1);
+        }
+    }
+    // The block's vote.
+    unsafe { barrier_or(!finite as i32) == 0 }
+}
+
+/// The consumer of [`gemm_mma`] (its warps 0-3): multiplies the `steps` steps out of the slots
+/// at `base` that `teams` teams fill and writes the tile out (plus `bias`); whether every sum
+/// is finite.
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-unsafe fn gemm_mma<W: Weights>(y: *mut f32, bias: *const f32, tiles: &Tiles<W>) -> bool {
-    let smem = shared::<F32x4>();
-    let base = shared_addr(smem);
-    let (lane, warp) = (thread() % WARP, thread() / WARP);
-    let (half, quarter) = (warp / 4, warp % 4);
+unsafe fn mma_consume<W: Weights>(
+    y: *mut f32,
+    bias: *const f32,
+    tiles: &Tiles<W>,
+    base: u32,
+    steps: u32,
+    teams: u32,
+) -> bool {
+    let t = thread();
+    let (lane, quarter) = (t % WARP, t / WARP);
     let (qm, qn) = (32 * (quarter / 2), 32 * (quarter % 2));
-    // The lanes' ldmatrix rows. x: matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15),
-    // (8-15, 8-15) of each m16 tile are its fragment's words 0-3. w (rows are outputs):
-    // matrices (n 0-7, k 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15) are the fragments of
-    // the n8 tiles 2j and 2j + 1.
-    let x_at = [0, 1].map(|i| chunk_at(qm + 16 * i + lane % 16, 2 * half + lane / 16));
-    let w_at = [0, 1].map(|j| {
-        chunk_at(
-            qn + 16 * j + lane % 8 + 8 * (lane / 16),
-            2 * half + lane / 8 % 2,
-        )
-    });
+    // The lanes' ldmatrix rows in the first k16 half of a step (the second: `^ 32`). x:
+    // matrices (rows 0-7, k 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15) of each m16 tile are
+    // its fragment's words 0-3. w (rows are outputs): matrices (n 0-7, k 0-7), (0-7, 8-15),
+    // (8-15, 0-7), (8-15, 8-15) are the fragments of the n8 tiles 2j and 2j + 1.
+    let x_at = [0, 1].map(|i| chunk_at(qm + 16 * i + lane % 16, lane / 16));
+    let w_at = [0, 1].map(|j| chunk_at(qn + 16 * j + lane % 8 + 8 * (lane / 16), lane / 8 % 2));
     let mut main = [[[0.0f32; 4]; 4]; 2];
     let mut cross = [[[0.0f32; 4]; 4]; 2];
-    let steps = tiles.n_in.div_ceil(TILE_K);
-    let mut staged = tiles.load::<true>(0);
-    staged.store_split(base, !W::F16);
-    sync_threads();
-    // Every thread runs the same steps: the barriers are reached by all. No branch in a step
-    // (the last one loads and stores its own step again, into the stage no longer read), so
-    // that the compiler can schedule the products between the loads and their uses.
+    // Step `s` is the `turn`-th of team `team`.
+    let (mut team, mut turn) = (0, 0);
     for s in 0..steps {
-        staged = tiles.load::<true>((s + 1).min(steps - 1) * TILE_K);
-        let stage = base + (s % 2) as u32 * MMA_STAGE_BYTES;
-        let x_hi = x_at.map(|at| ldmatrix4(stage + at));
-        let x_lo = x_at.map(|at| ldmatrix4(stage + MMA_TILE_BYTES + at));
-        let w_hi = w_at.map(|at| ldmatrix4(stage + 2 * MMA_TILE_BYTES + at));
-        for i in 0..2 {
-            for j in 0..4 {
-                let b = [w_hi[j / 2][2 * (j % 2)], w_hi[j / 2][2 * (j % 2) + 1]];
-                mma(&mut main[i][j], x_hi[i], b);
-                mma(&mut cross[i][j], x_lo[i], b);
-            }
-        }
-        if !W::F16 {
-            let w_lo = w_at.map(|at| ldmatrix4(stage + 3 * MMA_TILE_BYTES + at));
+        let slot = MMA_TEAM_SLOTS * team + turn % MMA_TEAM_SLOTS;
+        (team, turn) = if team + 1 == teams {
+            (0, turn + 1)
+        } else {
+            (team + 1, turn)
+        };
+        unsafe { barrier_sync(MMA_FULL + slot, 2 * GROUP) };
+        let step = base + slot * MMA_STEP_BYTES;
+        for h in 0..2 {
+            // The k16 half's chunks.
+            let half = 32 * h;
+            let frags = |tile: u32, at: [u32; 2]| {
+                at.map(|at| ldmatrix4(step + tile * MMA_TILE_BYTES + (at ^ half)))
+            };
+            let (x_hi, x_lo, w_hi) = (frags(0, x_at), frags(1, x_at), frags(2, w_at));
             for i in 0..2 {
                 for j in 0..4 {
-                    let b = [w_lo[j / 2][2 * (j % 2)], w_lo[j / 2][2 * (j % 2) + 1]];
-                    mma(&mut cross[i][j], x_hi[i], b);
+                    let b = [w_hi[j / 2][2 * (j % 2)], w_hi[j / 2][2 * (j % 2) + 1]];
+                    mma(&mut main[i][j], x_hi[i], b);
+                    mma(&mut cross[i][j], x_lo[i], b);
+                }
+            }
+            if !W::F16 {
+                let w_lo = frags(3, w_at);
+                for i in 0..2 {
+                    for j in 0..4 {
+                        let b = [w_lo[j / 2][2 * (j % 2)], w_lo[j / 2][2 * (j % 2) + 1]];
+                        mma(&mut cross[i][j], x_hi[i], b);
+                    }
                 }
             }
         }
-        staged.store_split(base + ((s + 1) % 2) as u32 * MMA_STAGE_BYTES, !W::F16);
-        sync_threads();
+        // Only hand back slots that their team waits for, so that every barrier completes.
+        if s + MMA_TEAM_SLOTS * teams < steps {
+            unsafe { barrier_arrive(MMA_EMPTY + slot, 2 * GROUP) };
+        }
     }
-    // The tile's sums meet in shared memory (the stages, no longer read: the loop ended on a
-    // barrier), `[64][64 + 8]` f32: rows 8 floats apart put a fragment's 8 rows in distinct
-    // banks. Warps 4-7 store theirs, warps 0-3 add theirs, then the block writes the tile out
-    // row by row.
-    let out = smem as *mut f32;
-    let at = |i: usize, j: usize, e: usize| {
-        let r = qm as usize + 16 * i + (lane / 4) as usize + 8 * (e / 2);
-        r * OUT_STRIDE + qn as usize + 8 * j + 2 * (lane % 4) as usize + e % 2
-    };
-    // Indexed loops, each simple enough to be unrolled, so that every index is a constant and
-    // the sums stay in registers.
+    // Fragment element `e` of m16n8 tile (i, j) is output row `g` (`e < 2`) or `g + 8`,
+    // column `2c + e % 2`, with `g = lane / 4`, `c = lane % 4`.
+    let (rows, n_out) = (tiles.rows as usize, tiles.n_out as usize);
     let mut finite = true;
     for i in 0..2 {
         for j in 0..4 {
             for e in 0..4 {
                 let v = fma(cross[i][j][e], 1.0 / LO_SCALE, main[i][j][e]);
                 finite &= v.is_finite();
-                main[i][j][e] = v;
-            }
-        }
-    }
-    if half == 1 {
-        for i in 0..2 {
-            for j in 0..4 {
-                for e in 0..4 {
-                    unsafe { *out.add(at(i, j, e)) = main[i][j][e] };
+                let r = (tiles.row0 + qm + 16 * i as u32 + lane / 4 + 8 * (e as u32 / 2)) as usize;
+                let c = (tiles.col0 + qn + 8 * j as u32 + 2 * (lane % 4) + e as u32 % 2) as usize;
+                if r < rows && c < n_out {
+                    unsafe { *y.add(r * n_out + c) = v + bias_at(bias, c) };
                 }
             }
         }
     }
-    // The handover's barrier, and the block's vote.
-    if unsafe { barrier_or(!finite as i32) } != 0 {
-        return false;
-    }
-    if half == 0 {
-        for i in 0..2 {
-            for j in 0..4 {
-                for e in 0..4 {
-                    unsafe { *out.add(at(i, j, e)) += main[i][j][e] };
-                }
-            }
-        }
-    }
-    sync_threads();
-    let t = thread() as usize;
-    for n in (t..TILE_M * TILE_N).step_by(256) {
-        let (r, c) = (tiles.row0 + n / TILE_N, tiles.col0 + n % TILE_N);
-        if r < tiles.rows && c < tiles.n_out {
-            let b = if bias.is_null() {
-                0.0
-            } else {
-                unsafe { *bias.add(c) }
-            };
-            let v = unsafe { *out.add(n / TILE_N * OUT_STRIDE + n % TILE_N) };
-            unsafe { *y.add(r * tiles.n_out + c) = v + b };
-        }
-    }
-    true
+    finite
 }
 
-/// The two entry points of one weight format, `$w` built from the raw pointer and `n_in`:
+/// The two entry points of one weight format `$w`:
 ///
 /// `$gemv(y, x, w, bias, n_in, n_out, split)`: `y[o] = w[o, :]·x + bias[o]` for one token;
-/// `bias` may be null. Grid: `ceil(n_out / (8 / split))` blocks; block: exactly 256 threads;
-/// `split` in {1, 2, 4, 8} warps per output; shared: 8 f32 (32 bytes).
+/// `bias` may be null. `split` warps per unit of two rows, `32·split >= ceil(n_in / 32)` (each
+/// lane one chunk of 32 weights per row). Grid: any number of blocks (they stride over the
+/// units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
 ///
 /// `$gemm(y, x, w, bias, rows, n_in, n_out)`: `y[t, o] = x[t, :]·w[o, :] + bias[o]` for
 /// `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)` blocks;
-/// block: exactly 256 threads; shared: 32768 bytes (the tensor-core loop's two stages).
+/// block: `128·(1 + T)` threads, `T` producer teams from 1 to 3; shared:
+/// `max(17408, T·32768)` bytes.
 ///
-/// `w` holds the tensor's bytes as stored in the file: rows of plain floats aligned to their
-/// element size, or rows of whole blocks starting 16-byte aligned.
+/// `w`: rows of plain floats aligned to their element size, or a packed quantized matrix
+/// (`orcd::pack`) starting 16-byte aligned.
 macro_rules! matmul_kernels {
     ($gemv:ident, $gemm:ident, $w:ty) => {
         #[unsafe(no_mangle)]
@@ -846,7 +968,7 @@ macro_rules! matmul_kernels {
             n_out: u32,
             split: u32,
         ) {
-            let w = <$w>::new(w, n_in);
+            let w = <$w>::new(w, n_out, n_in);
             unsafe { gemv(y, x, w, bias, n_in, n_out, split) }
         }
 
@@ -860,7 +982,7 @@ macro_rules! matmul_kernels {
             n_in: u32,
             n_out: u32,
         ) {
-            let w = <$w>::new(w, n_in);
+            let w = <$w>::new(w, n_out, n_in);
             unsafe { gemm(y, x, w, bias, rows, n_in, n_out) }
         }
     };
@@ -869,9 +991,9 @@ macro_rules! matmul_kernels {
 matmul_kernels!(gemv_f32, gemm_f32, Plain<f32>);
 matmul_kernels!(gemv_f16, gemm_f16, Plain<f16>);
 matmul_kernels!(gemv_bf16, gemm_bf16, Plain<Bf16>);
-matmul_kernels!(gemv_q4_0, gemm_q4_0, Blocks<BlockQ4_0>);
-matmul_kernels!(gemv_q5_0, gemm_q5_0, Blocks<BlockQ5_0>);
-matmul_kernels!(gemv_q8_0, gemm_q8_0, Blocks<BlockQ8_0>);
-matmul_kernels!(gemv_q4_k, gemm_q4_k, Blocks<BlockQ4K>);
-matmul_kernels!(gemv_q5_k, gemm_q5_k, Blocks<BlockQ5K>);
-matmul_kernels!(gemv_q6_k, gemm_q6_k, Blocks<BlockQ6K>);
+matmul_kernels!(gemv_q4_0, gemm_q4_0, Packed<Q4_0>);
+matmul_kernels!(gemv_q5_0, gemm_q5_0, Packed<Q5_0>);
+matmul_kernels!(gemv_q8_0, gemm_q8_0, Packed<Q8_0>);
+matmul_kernels!(gemv_q4_k, gemm_q4_k, Packed<Q4K>);
+matmul_kernels!(gemv_q5_k, gemm_q5_k, Packed<Q5K>);
+matmul_kernels!(gemv_q6_k, gemm_q6_k, Packed<Q6K>);

@@ -1,281 +1,328 @@
-//! Dequantization of ggml blocks on the GPU, and the token-embedding row gather.
-//! CPU twin: `orcd::quant::dequantize` (the layouts are the table at the top of host/src/quant.rs).
+//! Quantized weight matrices in the GPU layout of `orcd::pack` ("packed": the file's bits,
+//! rearranged at load into 16-byte-aligned sections), decoded in registers, and the
+//! token-embedding row gather. CPU twin: `orcd::pack::dequantize_packed`, which equals
+//! `orcd::quant::dequantize` of the file's blocks bit for bit.
 //!
-//! Each quantized format is a [`Block`] whose `group` returns elements `8g..8g + 8` of a block:
-//! in every format those eight share one scale and come from consecutive quant bytes, so a
-//! GEMV lane can take eight weights at a time. The arithmetic is the CPU's, operation by
-//! operation and in the same order (rustc sets no fast-math flags, so LLVM contracts no
-//! `a * b - c` into an FMA), so the results are bit-identical; the quants are unpacked four
-//! to a word and become floats by the exact `MAGIC` subtraction. Fields are read by halfwords:
-//! blocks of 18, 22, 34 or 210 bytes are only 2-byte aligned; q4_K and q5_K blocks (144 and 176
-//! bytes) by words, as they are 16-byte aligned when the tensor is (the host checks that it is).
-use crate::util::{block, block_dim, f16_to_f32, thread};
+//! A chunk is 32 consecutive weights of a row. Lane loads: 16 bytes of low nibbles, 0-16 bytes
+//! of high bits, a u16 of scales and (k-quants) a u32 of the super-block's scales. Quants
+//! become floats by the exact `MAGIC` subtraction (an OR and a subtraction, where an
+//! integer-to-float `cvt` runs at a quarter of the rate). `load8` gives weights exactly as the
+//! CPU computes them (same operations, same order; rustc sets no fast-math flags, so nothing is
+//! contracted into an FMA); the GEMV's `dot` factors the scales out of each half-chunk's sum.
+use core::marker::PhantomData;
+
+use crate::matmul::{Held, Weights, fma, with_weights};
+use crate::util::{block, block_dim, f16_to_f32, release_next, thread, wait_for_inputs};
 
 /// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
-pub const F32: u32 = 0;
-pub const F16: u32 = 1;
-pub const Q4_0: u32 = 2;
-pub const Q5_0: u32 = 6;
-pub const Q8_0: u32 = 8;
-pub const Q4_K: u32 = 12;
-pub const Q5_K: u32 = 13;
-pub const Q6_K: u32 = 14;
-pub const BF16: u32 = 30;
-
-/// (elements, bytes) of one block of type `ty`; (1, 1) for an unknown type.
-#[inline(always)]
-pub fn block_shape(ty: u32) -> (u32, u32) {
-    match ty {
-        F32 => (1, 4),
-        F16 | BF16 => (1, 2),
-        Q4_0 => (BlockQ4_0::ELEMS, BlockQ4_0::BYTES),
-        Q5_0 => (BlockQ5_0::ELEMS, BlockQ5_0::BYTES),
-        Q8_0 => (BlockQ8_0::ELEMS, BlockQ8_0::BYTES),
-        Q4_K => (BlockQ4K::ELEMS, BlockQ4K::BYTES),
-        Q5_K => (BlockQ5K::ELEMS, BlockQ5K::BYTES),
-        Q6_K => (BlockQ6K::ELEMS, BlockQ6K::BYTES),
-        _ => (1, 1),
-    }
-}
-
-#[inline(always)]
-fn byte(b: *const u8, at: u32) -> u8 {
-    unsafe { *b.add(at as usize) }
-}
-
-/// The u16 at `b + at`, which must be 2-byte aligned.
-#[inline(always)]
-fn u16_at(b: *const u8, at: u32) -> u16 {
-    unsafe { *(b.add(at as usize) as *const u16) }
-}
-
-/// The u32 at `b + at`, which must be 4-byte aligned.
-#[inline(always)]
-fn u32_at(b: *const u8, at: u32) -> u32 {
-    unsafe { *(b.add(at as usize) as *const u32) }
-}
-
-/// Bytes `at..at + 8` of `b` as two little-endian words, `b + at` 2-byte aligned: four
-/// halfword loads.
-#[inline(always)]
-fn words_a2(b: *const u8, at: u32) -> [u32; 2] {
-    [at, at + 4].map(|at| u16_at(b, at) as u32 | (u16_at(b, at + 2) as u32) << 16)
-}
-
-/// Bytes `at..at + 8` of `b` as two little-endian words, `b + at` 8-byte aligned: one load.
-#[inline(always)]
-fn words_a8(b: *const u8, at: u32) -> [u32; 2] {
-    let v = unsafe { *(b.add(at as usize) as *const u64) };
-    [v as u32, (v >> 32) as u32]
+pub mod id {
+    pub const F32: u32 = 0;
+    pub const F16: u32 = 1;
+    pub const Q4_0: u32 = 2;
+    pub const Q5_0: u32 = 6;
+    pub const Q8_0: u32 = 8;
+    pub const Q4_K: u32 = 12;
+    pub const Q5_K: u32 = 13;
+    pub const Q6_K: u32 = 14;
+    pub const BF16: u32 = 30;
 }
 
 /// 2^23: `f32::from_bits(MAGIC_BITS | n)` is `MAGIC + n` for `n < 2^23`, so subtracting
-/// `MAGIC + c` gives `n - c` exactly (and so bit for bit the CPU's `(n - c) as f32`), by an
-/// OR and a subtraction instead of an integer-to-float `cvt`, which runs at a quarter of
-/// the rate.
+/// `MAGIC + z` gives `n - z` exactly.
 const MAGIC: f32 = 8_388_608.0;
 const MAGIC_BITS: u32 = 0x4b00_0000;
 
-/// `MAGIC + ` byte `k` (0..8) of the little-endian words `w`.
+/// `prmt.b32`: byte `i` of the result is byte `sel`'s nibble `i` of the pair (`b`, `a`): bytes
+/// 0-3 are `a`'s, 4-7 `b`'s.
 #[inline(always)]
-fn magic_byte(w: [u32; 2], k: usize) -> f32 {
-    f32::from_bits(MAGIC_BITS | (w[k / 4] >> (8 * (k % 4))) & 255)
-}
-
-/// Bits 0..4 of `x` moved to bit 0 of bytes 0..4 (the four shifted copies do not overlap).
-#[inline(always)]
-fn spread4(x: u32) -> u32 {
-    (x & 15).wrapping_mul(0x0020_4081) & 0x0101_0101
-}
-
-#[inline(always)]
-fn f16_at(b: *const u8, at: u32) -> f32 {
-    f16_to_f32(u16_at(b, at))
-}
-
-/// Element `i` of a row of plain floats (f32, f16 or bf16); NaN for any other type.
-#[inline(always)]
-pub unsafe fn float_at(ty: u32, row: *const u8, i: u32) -> f32 {
-    match ty {
-        F32 => f32::from_le_bytes(core::array::from_fn(|k| byte(row, 4 * i + k as u32))),
-        F16 => f16_to_f32(u16::from_le_bytes([byte(row, 2 * i), byte(row, 2 * i + 1)])),
-        // bf16 is the top half of an f32.
-        BF16 => f32::from_bits(
-            (u16::from_le_bytes([byte(row, 2 * i), byte(row, 2 * i + 1)]) as u32) << 16,
-        ),
-        _ => f32::NAN,
-    }
-}
-
-/// A quantized block format of ggml: `ELEMS` weights in `BYTES` bytes.
-pub trait Block {
-    const ELEMS: u32;
-    const BYTES: u32;
-    /// Elements `8g..8g + 8` of the block at `b`. Blocks of 144 or 176 bytes (q4_K, q5_K)
-    /// must start 16-byte aligned (they are read by words), the others 2-byte aligned.
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8];
-}
-
-/// ggml's `block_q4_0`: `d` f16 at 0, `qs` at 2; `x[j] = (lo(qs[j]) - 8)·d`,
-/// `x[j + 16] = (hi(qs[j]) - 8)·d`.
-pub enum BlockQ4_0 {}
-
-impl Block for BlockQ4_0 {
-    const ELEMS: u32 = 32;
-    const BYTES: u32 = 18;
-    #[inline(always)]
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8] {
-        let d = f16_at(b, 0);
-        let (qs, shift) = (words_a2(b, 2 + 8 * (g % 2)), 4 * (g / 2));
-        let q = qs.map(|w| w >> shift & 0x0f0f_0f0f);
-        core::array::from_fn(|k| (magic_byte(q, k) - (MAGIC + 8.0)) * d)
-    }
-}
-
-/// ggml's `block_q5_0`: `d` at 0, `qh` u32 at 2, `qs` at 6: as q4_0 with bit `i` of `qh` as
-/// bit 4 of element `i`'s quant, offset 16. Elements `8g..8g + 8` take their high bits from
-/// byte `g` of `qh`.
-pub enum BlockQ5_0 {}
-
-impl Block for BlockQ5_0 {
-    const ELEMS: u32 = 32;
-    const BYTES: u32 = 22;
-    #[inline(always)]
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8] {
-        let d = f16_at(b, 0);
-        let qh = (u16_at(b, 2 + 2 * (g / 2)) >> (8 * (g % 2))) as u32;
-        let (qs, shift) = (words_a2(b, 6 + 8 * (g % 2)), 4 * (g / 2));
-        let q = [0, 1].map(|i| qs[i] >> shift & 0x0f0f_0f0f | spread4(qh >> (4 * i)) << 4);
-        core::array::from_fn(|k| (magic_byte(q, k) - (MAGIC + 16.0)) * d)
-    }
-}
-
-/// ggml's `block_q8_0`: `d` at 0, `qs` i8 at 2; `x[j] = qs[j]·d`.
-pub enum BlockQ8_0 {}
-
-impl Block for BlockQ8_0 {
-    const ELEMS: u32 = 32;
-    const BYTES: u32 = 34;
-    #[inline(always)]
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8] {
-        let d = f16_at(b, 0);
-        // i8 to u8 plus 128.
-        let q = words_a2(b, 2 + 8 * g).map(|w| w ^ 0x8080_8080);
-        core::array::from_fn(|k| (magic_byte(q, k) - (MAGIC + 128.0)) * d)
-    }
-}
-
-/// q4_K and q5_K (block 16-byte aligned): sub-block `sub = g / 4` of 32 reads the low (even
-/// `sub`) or high (odd) nibbles of `qs[32·(sub / 2) + l]`; `x = (d·sc)·q - dmin·m`, with the
-/// 6-bit scale `sc` and min `m` of the CPU's `scale_min_k4`. `qh` is q5_K's fifth bits or None.
-#[inline(always)]
-fn k4(b: *const u8, qh: Option<u32>, qs: u32, g: u32) -> [f32; 8] {
-    let dm = u32_at(b, 0);
-    let (d, dmin) = (f16_to_f32(dm as u16), f16_to_f32((dm >> 16) as u16));
-    let (sub, l0) = (g / 4, 8 * (g % 4));
-    // The 12 scale bytes as 3 words: sub-block `j` needs byte `j % 4` of each, `s[j % 4]`,
-    // `s[j % 4 + 4]` and `s[j % 4 + 8]`. With `hi = j / 4`, the CPU's `scale_min_k4` is
-    // `sc = s[j] & 63`, `m = s[j + 4] & 63` (hi = 0) or `sc = s[j + 4] & 15 | s[j - 4] >> 6 << 4`,
-    // `m = s[j + 4] >> 4 | s[j] >> 6 << 4` (hi = 1): written with shifts by `hi`, as a select
-    // between the two would become a branch with a load in it.
-    let at = 8 * (sub % 4);
-    let [s0, s1, s2] = [4, 8, 12].map(|w| (u32_at(b, w) >> at) & 255);
-    let hi = sub / 4;
-    let sc = (s0 | s2 << 8) >> (8 * hi) & 15 | (s0 >> (4 + 2 * hi) & 3) << 4;
-    let m = (s1 | s2 << 8) >> (12 * hi) & 15 | (s1 >> (4 + 2 * hi) & 3) << 4;
-    let (scale, min) = (d * sc as f32, dmin * m as f32);
-    let shift = 4 * (sub % 2);
-    let mut q = words_a8(b, qs + 32 * (sub / 2) + l0).map(|w| w >> shift & 0x0f0f_0f0f);
-    if let Some(at) = qh {
-        let q5 = words_a8(b, at + l0);
-        q = [0, 1].map(|i| q[i] | (q5[i] >> sub & 0x0101_0101) << 4);
-    }
-    core::array::from_fn(|k| scale * (magic_byte(q, k) - MAGIC) - min)
-}
-
-/// ggml's `block_q4_K`: `d` at 0, `dmin` at 2, `scales` at 4, `qs` at 16.
-pub enum BlockQ4K {}
-
-impl Block for BlockQ4K {
-    const ELEMS: u32 = 256;
-    const BYTES: u32 = 144;
-    #[inline(always)]
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8] {
-        k4(b, None, 16, g)
-    }
-}
-
-/// ggml's `block_q5_K`: `d` at 0, `dmin` at 2, `scales` at 4, `qh` at 16, `qs` at 48: bit `sub`
-/// of `qh[l]` is bit 4 of element `l` of sub-block `sub`.
-pub enum BlockQ5K {}
-
-impl Block for BlockQ5K {
-    const ELEMS: u32 = 256;
-    const BYTES: u32 = 176;
-    #[inline(always)]
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8] {
-        k4(b, Some(16), 48, g)
-    }
-}
-
-/// ggml's `block_q6_K`: `ql` at 0, `qh` at 128, `scales` i8 at 192, `d` at 208. Element
-/// `128h + 32k + l` takes the low (k < 2) or high nibble of `ql[64h + l + 32·(k & 1)]` and bits
-/// `2k..2k + 2` of `qh[32h + l]`; `x = (d·scales[i / 16])·(q - 32)`.
-pub enum BlockQ6K {}
-
-impl Block for BlockQ6K {
-    const ELEMS: u32 = 256;
-    const BYTES: u32 = 210;
-    #[inline(always)]
-    unsafe fn group(b: *const u8, g: u32) -> [f32; 8] {
-        let d = f16_at(b, 208);
-        let (h, k, l0) = (g / 16, g % 16 / 4, 8 * (g % 4));
-        let sc = (u16_at(b, 192 + 2 * (g / 4)) >> (8 * (g / 2 % 2))) as i8;
-        let scale = d * sc as f32;
-        let ql = words_a2(b, 64 * h + 32 * (k & 1) + l0);
-        let qh = words_a2(b, 128 + 32 * h + l0);
-        let q = [0, 1]
-            .map(|i| ql[i] >> (4 * (k >> 1)) & 0x0f0f_0f0f | (qh[i] >> (2 * k) & 0x0303_0303) << 4);
-        core::array::from_fn(|j| scale * (magic_byte(q, j) - (MAGIC + 32.0)))
-    }
-}
-
-/// Elements `e..e + 8` (`e` a multiple of 8) of a row of blocks `B`.
-#[inline(always)]
-pub unsafe fn group_at<B: Block>(row: *const u8, e: u32) -> [f32; 8] {
+fn prmt(a: u32, b: u32, sel: u32) -> u32 {
+    let r: u32;
     unsafe {
-        B::group(
-            row.add((e / B::ELEMS * B::BYTES) as usize),
-            e % B::ELEMS / 8,
+        core::arch::asm!("prmt.b32 {0}, {1}, {2}, {3};", out(reg32) r, in(reg32) a, in(reg32) b,
+            in(reg32) sel, options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// `MAGIC +` byte `k` of `w`: one `prmt` puts the byte under `MAGIC`'s exponent.
+#[inline(always)]
+fn magic_byte(w: u32, k: u32) -> f32 {
+    f32::from_bits(prmt(w, MAGIC_BITS, 0x7440 | k))
+}
+
+/// What [`Packed`]'s `dot` holds `x` times (`X_SCALE`) and multiplies its sums by: 2^100 and
+/// 2^49, so that `q·2^-149 · x·2^100 · 2^49 = q·x`.
+const X_SCALE: f32 = 1.2676506e30;
+const Q_SCALE: f32 = 562949953421312.0;
+
+/// How a quantized type packs (`orcd::pack`): weights are `s·(q - ZERO) - m` for the
+/// `4 + BITS`-bit quant `q`, `s` the scale of the element's half of the chunk.
+pub trait Packing {
+    /// Quant bits above the low 4 (0, 1, 2 or 4), in the `hi` section.
+    const BITS: u32;
+    const ZERO: u32;
+    /// Whether chunks take scales from a super-block word (the k-quants).
+    const SUPER: bool;
+    /// Whether weights have a min `m`.
+    const MIN: bool;
+    /// (scale of elements 0..16, of 16..32, min) from the chunk's `sc` and `sup` words.
+    fn scales(sc: u32, sup: u32) -> (f32, f32, f32);
+    /// The weight from `q - ZERO` as the CPU computes it.
+    fn weight(q: f32, s: f32, m: f32) -> f32;
+}
+
+/// `(q - z)·d` with the f16 `d` in `sc`: q4_0 (z 8), q5_0 (16), q8_0 (i8 stored + 128).
+macro_rules! plain_block {
+    ($name:ident, $bits:expr, $zero:expr) => {
+        pub enum $name {}
+        impl Packing for $name {
+            const BITS: u32 = $bits;
+            const ZERO: u32 = $zero;
+            const SUPER: bool = false;
+            const MIN: bool = false;
+            #[inline(always)]
+            fn scales(sc: u32, _sup: u32) -> (f32, f32, f32) {
+                let d = f16_to_f32(sc as u16);
+                (d, d, 0.0)
+            }
+            #[inline(always)]
+            fn weight(q: f32, s: f32, _m: f32) -> f32 {
+                q * s
+            }
+        }
+    };
+}
+
+plain_block!(Q4_0, 0, 8);
+plain_block!(Q5_0, 1, 16);
+plain_block!(Q8_0, 4, 128);
+
+/// `(d·sc)·q - dmin·m`: `sc`, `m` the sub-block's 6-bit scale and min, `d | dmin << 16` the
+/// super-block's; q4_K and (`BITS` 1) q5_K.
+pub enum Q4K {}
+pub enum Q5K {}
+
+macro_rules! k4_block {
+    ($name:ident, $bits:expr) => {
+        impl Packing for $name {
+            const BITS: u32 = $bits;
+            const ZERO: u32 = 0;
+            const SUPER: bool = true;
+            const MIN: bool = true;
+            #[inline(always)]
+            fn scales(sc: u32, sup: u32) -> (f32, f32, f32) {
+                let s = f16_to_f32(sup as u16) * (sc & 255) as f32;
+                (s, s, f16_to_f32((sup >> 16) as u16) * (sc >> 8 & 255) as f32)
+            }
+            #[inline(always)]
+            fn weight(q: f32, s: f32, m: f32) -> f32 {
+                s * q - m
+            }
+        }
+    };
+}
+
+k4_block!(Q4K, 0);
+k4_block!(Q5K, 1);
+
+/// q6_K: `(d·sc)·(q - 32)`, an i8 `sc` per half-chunk, `d` the super-block's.
+pub enum Q6K {}
+
+impl Packing for Q6K {
+    const BITS: u32 = 2;
+    const ZERO: u32 = 32;
+    const SUPER: bool = true;
+    const MIN: bool = false;
+    #[inline(always)]
+    fn scales(sc: u32, sup: u32) -> (f32, f32, f32) {
+        let d = f16_to_f32(sup as u16);
+        (d * (sc as u8 as i8) as f32, d * ((sc >> 8) as u8 as i8) as f32, 0.0)
+    }
+    #[inline(always)]
+    fn weight(q: f32, s: f32, _m: f32) -> f32 {
+        s * q
+    }
+}
+
+/// One chunk as loaded: `lo` words, `hi` words (the first `BITS` used), `sc` and `sup`.
+#[derive(Clone, Copy)]
+pub struct Chunk {
+    lo: [u32; 4],
+    hi: [u32; 4],
+    sc: u32,
+    sup: u32,
+}
+
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+struct U32x4([u32; 4]);
+
+/// A `[rows, n_in]` matrix of packing `P` at `w` (16-byte aligned): its sections' addresses as
+/// `orcd::pack::layout` places them.
+pub struct Packed<P> {
+    lo: *const u8,
+    hi: *const u8,
+    sc: *const u16,
+    sup: *const u32,
+    /// Chunks per row.
+    chunks: u32,
+    packing: PhantomData<P>,
+}
+
+#[inline(always)]
+fn align16(n: usize) -> usize {
+    n.next_multiple_of(16)
+}
+
+impl<P: Packing> Packed<P> {
+    /// Chunk `c` of the matrix (rows one after another).
+    #[inline(always)]
+    unsafe fn chunk(&self, c: usize) -> Chunk {
+        let lo = unsafe { *(self.lo.add(16 * c) as *const U32x4) }.0;
+        let mut hi = [0u32; 4];
+        unsafe {
+            match P::BITS {
+                0 => {}
+                1 => hi[0] = *(self.hi.add(4 * c) as *const u32),
+                2 => {
+                    let v = *(self.hi.add(8 * c) as *const u64);
+                    hi[..2].copy_from_slice(&[v as u32, (v >> 32) as u32]);
+                }
+                _ => hi = (*(self.hi.add(16 * c) as *const U32x4)).0,
+            }
+        }
+        let sc = unsafe { *self.sc.add(c) } as u32;
+        let sup = if P::SUPER {
+            unsafe { *self.sup.add(c / 8) }
+        } else {
+            0
+        };
+        Chunk { lo, hi, sc, sup }
+    }
+
+    /// The quants of the elements of `lo` word `j` (`lo`), a byte each: elements `4j..4j + 4`
+    /// and `16 + 4j..16 + 4j + 4`, their high bits from `hi`, the chunk's hi word `j·BITS / 4`.
+    #[inline(always)]
+    fn quant_bytes(lo: u32, hi: u32, j: u32) -> (u32, u32) {
+        let (mut a, mut b) = (lo & 0x0f0f_0f0f, lo >> 4 & 0x0f0f_0f0f);
+        if P::BITS > 0 {
+            let s = 2 * P::BITS * j % 8;
+            let mask = ((1 << P::BITS) - 1) * 0x0101_0101;
+            a |= (hi >> s & mask) << 4;
+            b |= (hi >> (s + P::BITS) & mask) << 4;
+        }
+        (a, b)
+    }
+
+    /// `q - ZERO` of those elements, exactly, as floats.
+    #[inline(always)]
+    fn quants(lo: u32, hi: u32, j: u32) -> ([f32; 4], [f32; 4]) {
+        let (a, b) = Self::quant_bytes(lo, hi, j);
+        let f = |w: u32, k: u32| magic_byte(w, k) - (MAGIC + P::ZERO as f32);
+        (
+            [f(a, 0), f(a, 1), f(a, 2), f(a, 3)],
+            [f(b, 0), f(b, 1), f(b, 2), f(b, 3)],
         )
     }
 }
 
-/// Elements `e..e + 8` (`e` a multiple of 8) of a row of quantized type `ty`; NaN for a type
-/// that is not quantized.
-#[inline(always)]
-pub unsafe fn quant8_at(ty: u32, row: *const u8, e: u32) -> [f32; 8] {
-    unsafe {
-        match ty {
-            Q4_0 => group_at::<BlockQ4_0>(row, e),
-            Q5_0 => group_at::<BlockQ5_0>(row, e),
-            Q8_0 => group_at::<BlockQ8_0>(row, e),
-            Q4_K => group_at::<BlockQ4K>(row, e),
-            Q5_K => group_at::<BlockQ5K>(row, e),
-            Q6_K => group_at::<BlockQ6K>(row, e),
-            _ => [f32::NAN; 8],
+impl<P: Packing> Weights for Packed<P> {
+    type Chunk = Chunk;
+    const X_SCALE: f32 = X_SCALE;
+
+    #[inline(always)]
+    fn new(w: *const u8, rows: u32, n_in: u32) -> Self {
+        let chunks = n_in / 32;
+        let all = rows as usize * chunks as usize;
+        let hi = align16(16 * all);
+        let sc = hi + align16(4 * P::BITS as usize * all);
+        let sup = sc + align16(2 * all);
+        Packed {
+            lo: w,
+            hi: w.wrapping_add(hi),
+            sc: w.wrapping_add(sc) as *const u16,
+            sup: w.wrapping_add(sup) as *const u32,
+            chunks,
+            packing: PhantomData,
         }
+    }
+
+    #[inline(always)]
+    fn vector(&self) -> bool {
+        true
+    }
+
+    #[inline(always)]
+    unsafe fn load8<const VEC: bool>(&self, row: usize, k: u32) -> [f32; 8] {
+        // Elements 8g..8g + 8: the low (g < 2) or high nibbles of lo words 2h, 2h + 1
+        // (h = g % 2), read on their own: picking them out of a whole chunk by a dynamic index
+        // would put the chunk in local memory.
+        let c = row * self.chunks as usize + (k / 32) as usize;
+        let (g, sc) = (k % 32 / 8, unsafe { *self.sc.add(c) } as u32);
+        let h = (g % 2) as usize;
+        let sup = if P::SUPER { unsafe { *self.sup.add(c / 8) } } else { 0 };
+        let lo = unsafe { *(self.lo.add(16 * c + 8 * h) as *const u64) };
+        let hi = unsafe {
+            match P::BITS {
+                0 => 0,
+                1 => *(self.hi.add(4 * c) as *const u32) as u64 * 0x1_0000_0001,
+                2 => *(self.hi.add(8 * c + 4 * h) as *const u32) as u64 * 0x1_0000_0001,
+                _ => *(self.hi.add(16 * c + 8 * h) as *const u64),
+            }
+        };
+        let j = 2 * h as u32;
+        let (a0, b0) = Self::quants(lo as u32, hi as u32, j);
+        let (a1, b1) = Self::quants((lo >> 32) as u32, (hi >> 32) as u32, j + 1);
+        let (s0, s1, m) = P::scales(sc, sup);
+        let (q0, q1, s) = if g >= 2 { (b0, b1, s1) } else { (a0, a1, s0) };
+        let w = |i: usize| P::weight(if i < 4 { q0[i] } else { q1[i - 4] }, s, m);
+        [w(0), w(1), w(2), w(3), w(4), w(5), w(6), w(7)]
+    }
+
+    #[inline(always)]
+    unsafe fn load1(&self, _row: usize, _k: usize) -> f32 {
+        f32::NAN
+    }
+
+    #[inline(always)]
+    unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Chunk {
+        unsafe { self.chunk(row * self.chunks as usize + c as usize) }
+    }
+
+    /// `s0·Σ(q - z)·x` over the first half, `s1·` that of the second, `- m·Σx`. Each quant
+    /// becomes a float by one `prmt` and no arithmetic: the word whose low byte is `q` is the
+    /// subnormal `q·2^-149` exactly, and `x` is held times `X_SCALE = 2^100`, so the FMA adds
+    /// `q·x·2^-49` exactly rounded (no denormal is flushed: no `.ftz`); `z·Σx` comes off
+    /// after the sum. Exact while `2^-77 < |x| < 2^28` (products stay normal, `x·2^100`
+    /// finite); the cancellation in `Σq·x - z·Σx` costs at most a few bits of `Σ|(q - z)·x|`.
+    #[inline(always)]
+    fn dot(ch: &Chunk, x: &Held) -> f32 {
+        let (mut lo, mut hi) = ([0.0f32; 2], [0.0f32; 2]);
+        for j in 0..4 {
+            let (a, b) = Self::quant_bytes(ch.lo[j], ch.hi[j * P::BITS as usize / 4], j as u32);
+            for k in 0..4 {
+                let q = |w: u32| f32::from_bits(prmt(w, 0, 0x4440 | k as u32));
+                lo[j % 2] = fma(q(a), x.x[4 * j + k], lo[j % 2]);
+                hi[j % 2] = fma(q(b), x.x[16 + 4 * j + k], hi[j % 2]);
+            }
+        }
+        let z = P::ZERO as f32;
+        let half = |acc: [f32; 2], sum: f32| (acc[0] + acc[1]) * Q_SCALE - z * sum;
+        let (a, b) = (half(lo, x.sum[0]), half(hi, x.sum[1]));
+        let (s0, s1, m) = P::scales(ch.sc, ch.sup);
+        let d = s0 * a + s1 * b;
+        if P::MIN { d - m * (x.sum[0] + x.sum[1]) } else { d }
     }
 }
 
-/// `out[t, :] = ` row `tokens[first + t]` of the `[n_rows, hidden]` table of type `ty` (its raw
-/// file bytes), dequantized, where `first` is `pos[0]`, or 0 when `pos` is null: a decode
-/// step reads its token at the position in device memory, so a captured CUDA graph replays
-/// for any position. A token id `>= n_rows` gives a row of NaN; an index `first + t >= n_ids`
-/// (past `tokens`) traps. `hidden` must be a whole number of blocks and `table` 16-byte
-/// aligned (both checked by the host). Grid: one block per token; block: any size; no shared
-/// memory.
+/// `out[t, :] = ` row `tokens[first + t]` of the `[n_rows, hidden]` table of type `ty` (packed,
+/// as every weight matrix), dequantized, where `first` is `pos[0]`, or 0 when `pos` is null: a
+/// decode step reads its token at the position in device memory, so a captured CUDA graph
+/// replays for any position. A token id `>= n_rows` gives a row of NaN; an index
+/// `first + t >= n_ids` (past `tokens`) traps. `table` 16-byte aligned (checked by the host).
+/// Grid: one block per token; block: any size; no shared memory.
 #[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn embed(
     out: *mut f32,
     table: *const u8,
@@ -286,6 +333,8 @@ pub unsafe extern "gpu-kernel" fn embed(
     n_rows: u32,
     hidden: u32,
 ) {
+    wait_for_inputs();
+    release_next();
     let first = if pos.is_null() { 0 } else { unsafe { *pos } };
     let at = first as u64 + block() as u64;
     if at >= n_ids as u64 {
@@ -293,32 +342,27 @@ pub unsafe extern "gpu-kernel" fn embed(
     }
     let token = unsafe { *tokens.add(at as usize) };
     let out = unsafe { out.add(block() as usize * hidden as usize) };
-    let (elems, bytes) = block_shape(ty);
-    // Wrapping: an out-of-range token's row is never read.
-    let row = table.wrapping_add(token as usize * (hidden / elems * bytes) as usize);
-    if elems == 1 {
-        let mut i = thread();
-        while i < hidden {
-            let v = if token < n_rows {
-                unsafe { float_at(ty, row, i) }
-            } else {
-                f32::NAN
-            };
-            unsafe { *out.add(i as usize) = v };
-            i += block_dim();
-        }
-    } else {
+    let (row, valid) = (token as usize, token < n_rows);
+    with_weights!(crate::matmul::family::ANY, ty, W => {
+        let w = W::new(table, n_rows, hidden);
         let mut e = 8 * thread();
         while e < hidden {
-            let v = if token < n_rows {
-                unsafe { quant8_at(ty, row, e) }
-            } else {
+            let v: [f32; 8] = if !valid {
                 [f32::NAN; 8]
+            } else if e + 8 <= hidden {
+                unsafe { w.load8::<false>(row, e) }
+            } else {
+                core::array::from_fn(|k| {
+                    let k = e as usize + k;
+                    if k < hidden as usize { unsafe { w.load1(row, k) } } else { 0.0 }
+                })
             };
             for (k, v) in v.iter().enumerate() {
-                unsafe { *out.add(e as usize + k) = *v };
+                if e + (k as u32) < hidden {
+                    unsafe { *out.add(e as usize + k) = *v };
+                }
             }
             e += 8 * block_dim();
         }
-    }
+    })
 }

@@ -97,8 +97,6 @@ pub fn f16_to_f32(bits: u16) -> f32 {
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.ex2.approx.f"]
     fn ex2_approx(x: f32) -> f32;
-    #[link_name = "llvm.nvvm.shfl.sync.idx.f32"]
-    fn shfl_idx_f32(mask: u32, v: f32, lane: u32, clamp: u32) -> f32;
 }
 
 /// `e^x` through `ex2.approx.f32` (max relative error 2^-22 of the result, plus the rounding of
@@ -119,12 +117,6 @@ pub fn warp_max(mut v: f32) -> f32 {
     v
 }
 
-/// Lane `src`'s `v`, for every lane of the (full) warp.
-#[inline(always)]
-pub fn warp_broadcast(v: f32, src: u32) -> f32 {
-    unsafe { shfl_idx_f32(FULL_MASK, v, src, 0x1f) }
-}
-
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.membar.gl"]
     fn membar_gl();
@@ -142,4 +134,26 @@ pub fn threadfence() {
 #[inline(always)]
 pub fn grid_dim() -> u32 {
     unsafe { nvptx::_grid_dim_x() as u32 }
+}
+
+/// Programmatic dependent launch (the sm_90 build, `--cfg orcd_pdl`): waits until the kernels
+/// this one depends on have finished and their writes are visible. A kernel launched with the
+/// host's PDL attribute may start while the kernel before it still runs: it may read only
+/// what no kernel writes (weights) before this. Without PDL a no-op (the launch itself waited).
+#[inline(always)]
+pub fn wait_for_inputs() {
+    #[cfg(orcd_pdl)]
+    unsafe {
+        core::arch::asm!("griddepcontrol.wait;", options(nostack))
+    };
+}
+
+/// Lets the next kernel of the stream start (its blocks then prefetch and wait in
+/// `wait_for_inputs`). Called after this kernel's own wait, so at most two kernels overlap.
+#[inline(always)]
+pub fn release_next() {
+    #[cfg(orcd_pdl)]
+    unsafe {
+        core::arch::asm!("griddepcontrol.launch_dependents;", options(nostack))
+    };
 }

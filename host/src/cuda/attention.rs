@@ -7,25 +7,28 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKerne
 use super::{BLOCK, Device, check};
 use crate::{Error, Result, cpu};
 
-/// Threads per block of the prefill kernel: 16 warps, 16 query rows per block.
-const ATTN_THREADS: u32 = 512;
-/// Keys per tile of both attention kernels (one per lane).
-const TILE_KEYS: usize = 32;
+/// Threads per block of both attention kernels: 8 warps.
+const ATTN_THREADS: u32 = 256;
+/// Query rows per block of the prefill kernel.
+const PREFILL_ROWS: usize = 64;
+/// Shared memory of the prefill kernel: one round of K and V tiles as f16 halves.
+const PREFILL_SHARED_BYTES: u32 = 32768;
+/// Shared memory of the decode kernel, for head dims padded to 128: K `[32][132]`, V
+/// `[32][128]`, 8 queries of 128 and 8 × 32 weights, f32, and the last-block flag.
+const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4 + 16) as u32;
 /// The kernels keep a head's output dims in registers, four per lane.
 const MAX_HEAD_DIM: usize = 128;
-/// Key slices of the decode kernel (its grid's y). With the model's 2 kv heads that is 128
-/// blocks, about one per SM of an H100, each slice whole tiles of 32 keys: up to 2048 keys
-/// every block has one tile, at 8192 four. More slices would shorten the blocks' loops but
-/// lengthen the combine, which reads `group * slices * head_dim` partials in one block.
+/// Key slices of the decode kernel (its grid's y, at most 64). With the model's 2 kv heads
+/// that is 128 blocks, about one per SM of an H100, each slice whole tiles of 32 keys: up to
+/// 2048 keys every block has one tile, at 8192 four. More slices would shorten the blocks'
+/// loops but lengthen the combine, which reads `slices * head_dim` partials per head.
 const DECODE_SPLITS: usize = 64;
-/// Warps of a decode block: one per query head of its kv group, up to 8 (larger groups take
-/// several blocks; 256 threads may use all 255 registers a thread can have), at least 4 to
-/// stage the tiles.
-const DECODE_MAX_WARPS: usize = 8;
-const DECODE_MIN_WARPS: usize = 4;
+/// Query heads of a decode block, one per warp (larger kv groups take several blocks).
+const DECODE_HEADS: usize = 8;
 
 /// Scratch of split-K decode attention (`Device::attention`): each (head, key slice)'s partial
-/// softmax `[n_heads, DECODE_SPLITS, head_dim + 2]` and a completion count per block row. The
+/// softmax `[n_heads, DECODE_SPLITS, 4 + ceil4(head_dim)]` (max, sum, two unused, the
+/// unnormalised output: 16-byte aligned rows) and a completion count per block row. The
 /// kernel leaves the counts at zero, so one scratch serves every layer and step, one launch at
 /// a time (on the device's one stream).
 pub struct AttentionScratch {
@@ -46,7 +49,7 @@ impl Device {
     pub fn attention_scratch(&self, n_heads: usize, head_dim: usize) -> Result<AttentionScratch> {
         check_head_dim(head_dim)?;
         check(n_heads > 0, "attention_scratch: n_heads")?;
-        let len = n_heads * DECODE_SPLITS * (head_dim + 2);
+        let len = n_heads * DECODE_SPLITS * partial_len(head_dim);
         u32_of(len, "attention_scratch: partials")?;
         Ok(AttentionScratch {
             partials: self.zeros(len)?,
@@ -214,26 +217,20 @@ impl Device {
         let max_pos = (k_cache.len() / kv_dim) as u32;
         let hd = head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
-        let (name, grid, warps) = if rows == 1 {
-            // The group's heads, one per warp, spread evenly over as few blocks as hold them
-            // (`per_kv` as the kernel computes it).
-            let group = n_heads / n_kv_heads;
-            let warps = group
-                .div_ceil(group.div_ceil(DECODE_MAX_WARPS))
-                .max(DECODE_MIN_WARPS);
-            let per_kv = group.div_ceil(warps);
+        let (name, grid, shared) = if rows == 1 {
+            // The group's heads, one per warp, in as few blocks as hold them (`per_kv` as the
+            // kernel computes it).
+            let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
             let grid = (n_kv_heads * per_kv, DECODE_SPLITS);
-            ("attention_decode", grid, warps)
+            ("attention_decode", grid, DECODE_SHARED_BYTES)
         } else {
-            let warps = ATTN_THREADS as usize / 32;
-            ("attention_prefill", (rows.div_ceil(warps), n_heads), warps)
+            let grid = (rows.div_ceil(PREFILL_ROWS), n_heads);
+            ("attention_prefill", grid, PREFILL_SHARED_BYTES)
         };
-        // K and V tiles, the queries, and the decode kernel's last-block flag.
-        let shared = TILE_KEYS * (hd + 1) + TILE_KEYS * hd + warps * hd + 1;
         let cfg = LaunchConfig {
             grid_dim: (grid.0 as u32, grid.1 as u32, 1),
-            block_dim: (32 * warps as u32, 1, 1),
-            shared_mem_bytes: (shared * 4) as u32,
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: shared,
         };
         let stream = self.stream();
         let (op, _o) = out.device_ptr_mut(stream);
@@ -244,7 +241,9 @@ impl Device {
         let (sp, _s) = scratch.partials.device_ptr_mut(stream);
         let (cp, _c) = scratch.counters.device_ptr_mut(stream);
         let (rows, n_heads, n_kv, hd) = (rows as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
-        let mut l = stream.launch_builder(self.kernel(name));
+        // The decode kernel joins the decode step's programmatic dependent launches (it waits
+        // for the kernel before it first thing).
+        let mut l = self.launcher(name, rows == 1);
         l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
         if rows == 1 {
             l.arg(&sp).arg(&cp);
@@ -260,12 +259,17 @@ impl Device {
         // f32*, u32* (decode) or u32 (prefill), then u32, u32, u32, u32, f32) as the kernels
         // declare them. q and out hold rows * n_heads * head_dim; the kernels read cache rows
         // 0..pos[0] + rows, below max_pos or they trap. Decode: partials hold [n_heads,
-        // DECODE_SPLITS (the grid's y), head_dim + 2] and counters n_heads >= the grid's x
-        // (the scratch's shape is checked); prefill: 512 threads. Shared memory as the
-        // kernels' docs ask.
+        // DECODE_SPLITS (the grid's y, <= 64), 4 + ceil4(head_dim)] and counters n_heads >=
+        // the grid's x (the scratch's shape is checked). 256 threads and the shared memory
+        // the kernels' docs ask for.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
+}
+
+/// Floats per (head, slice) row of the decode kernel's partials.
+fn partial_len(head_dim: usize) -> usize {
+    4 + head_dim.next_multiple_of(4)
 }
 
 fn check_head_dim(head_dim: usize) -> Result<()> {

@@ -1,68 +1,27 @@
 //! Launch helpers of the fused decode-step kernels (gpu-kernels/src/decode.rs), for one token.
 //! The position is read from device memory and every scratch buffer is the caller's, so the
 //! launches can be captured into a CUDA graph once and replayed for every token: no helper
-//! allocates, copies from the host or synchronises. Every weight matrix is read in its own
-//! format, the file's blocks or f16 ([`Weight`]).
+//! allocates, copies from the host or synchronises. Every weight matrix is a [`GpuMatrix`], read
+//! in its own format (packed quantized chunks, or plain floats).
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
-};
-use half::f16;
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
+use super::matmul::{GpuMatrix, gemv_split};
 use super::{Device, check};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 
-/// Most warps in a block; a GEMV unit's row is split over at most this many.
+/// Most warps in a block (a unit's `split` warps may make more).
 const MAX_WARPS: u32 = 8;
-/// Groups of 8 weights one warp reads in one step of the GEMV (32 lanes, 4 groups each).
-const STEP_GROUPS: usize = 128;
-/// Where every vector and matrix must start: the kernels read them by 16-byte loads.
+/// Where every vector must start: the kernels read them by 16-byte loads.
 const ALIGN: u64 = 16;
-/// Shared memory of `ffn_gate_up` and `logits`: the norm's block sum (32 f32), which also
-/// holds their warps' meeting (2 or 1 f32 per warp) and the arg-max's u64.
-const NORM_SHARED: u32 = 32 * 4;
 
-/// A weight matrix `[n_out, n_in]` as the decode kernels read it.
-#[derive(Clone, Copy)]
-pub enum Weight<'a> {
-    /// The raw file bytes of a tensor of this type (rows of whole blocks).
-    Raw(&'a dyn DevicePtr<u8>, GgmlType),
-    /// f16 values (the `--weights f16` path).
-    F16(&'a dyn DevicePtr<f16>),
-}
-
-impl Weight<'_> {
-    fn ty(&self) -> GgmlType {
-        match self {
-            Weight::Raw(_, ty) => *ty,
-            Weight::F16(_) => GgmlType::F16,
-        }
-    }
-
-    fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
-        match self {
-            Weight::Raw(w, _) => w.device_ptr(stream),
-            Weight::F16(w) => w.device_ptr(stream),
-        }
-    }
-
-    /// Checks that this is `n_out` rows of `n_in`; `what` names the kernel and the matrix.
-    fn check(&self, n_out: usize, n_in: usize, what: &str) -> Result<()> {
-        let ty = self.ty();
-        let row_bytes = ty.row_bytes(n_in).ok_or_else(|| {
-            Error::Invalid(format!(
-                "{what}: rows of {n_in} are not a whole number of {}-element {} blocks",
-                ty.block_elems(),
-                ty.name()
-            ))
-        })?;
-        let bytes = match self {
-            Weight::Raw(w, _) => w.len(),
-            Weight::F16(w) => 2 * w.len(),
-        };
-        check(bytes == n_out * row_bytes, &format!("{what}: shapes"))
-    }
+/// Checks that `w` is `n_out` rows of `n_in`; `what` names the kernel and the matrix.
+fn check_matrix(w: &GpuMatrix, n_out: usize, n_in: usize, what: &str) -> Result<()> {
+    check(
+        w.rows() == n_out && w.n_in() == n_in,
+        &format!("{what}: shapes"),
+    )
 }
 
 /// `v` as a kernel's `u32`, or an error naming `what`.
@@ -76,29 +35,42 @@ fn check_aligned(ptrs: &[u64], what: &str) -> Result<()> {
         Ok(())
     } else {
         Err(Error::Invalid(format!(
-            "{what}: vectors and weights must start {ALIGN}-byte aligned"
+            "{what}: vectors must start {ALIGN}-byte aligned"
         )))
     }
 }
 
-/// Warps per GEMV unit for rows of `n_in`: enough that each warp's share is one step (long rows
-/// would otherwise leave most of the GPU idle, one warp waiting on one load after another), a
-/// power of two, at most `MAX_WARPS`. Rows need `n_in % 8 == 0`, and rows longer than
-/// `MAX_WARPS` steps are refused where `one_step` (the kernels that hold `x` in registers).
-fn split_of(n_in: usize, one_step: bool, what: &str) -> Result<u32> {
-    if n_in == 0 || !n_in.is_multiple_of(8) {
+/// Warps per GEMV unit for rows of `n_in`: a lane per chunk of 32 weights; rows must be whole
+/// chunks, at most 32 warps' worth.
+fn split_of(n_in: usize, what: &str) -> Result<u32> {
+    if n_in == 0 || !n_in.is_multiple_of(32) {
         return Err(Error::Invalid(format!(
-            "{what}: vectors of {n_in} are not a whole number of groups of 8"
+            "{what}: vectors of {n_in} are not a whole number of chunks of 32"
         )));
     }
-    let steps = (n_in / 8).div_ceil(STEP_GROUPS).next_power_of_two();
-    if one_step && steps > MAX_WARPS as usize {
-        return Err(Error::Invalid(format!(
-            "{what}: rows of {n_in} are longer than the kernel's {}",
-            8 * STEP_GROUPS * MAX_WARPS as usize
-        )));
-    }
-    Ok(steps.min(MAX_WARPS as usize) as u32)
+    gemv_split(n_in).ok_or_else(|| {
+        Error::Invalid(format!(
+            "{what}: rows of {n_in} are longer than the kernel's 32768"
+        ))
+    })
+}
+
+/// The decode kernel `base` built for the family of `ty` (gpu-kernels' `matmul::family`: one
+/// build per family keeps each kernel's registers to what its own types need).
+fn family_kernel(base: &str, ty: GgmlType) -> String {
+    let family = match ty {
+        GgmlType::F32 => "f32",
+        GgmlType::F16 => "f16",
+        GgmlType::BF16 => "bf16",
+        _ => "packed",
+    };
+    format!("{base}_{family}")
+}
+
+/// Shared memory of a decode kernel with `threads` per block: the norm's block sum (32 f32)
+/// and the warps' meetings (2 f32 per warp), which also holds the arg-max's u64.
+fn shared_of(threads: u32) -> u32 {
+    (threads / 32 * 2).max(32) * 4
 }
 
 /// How a decode kernel is launched for `units` GEMV units of `split` warps.
@@ -119,17 +91,17 @@ impl Device {
         Ok(n.max(1) as u32)
     }
 
-    /// `MAX_WARPS` warps per block, fewer (at least `split`) while that leaves SMs without a
-    /// block: the small matrices (k and v have 128 rows) then still spread over the GPU.
+    /// `MAX_WARPS / split` units per block (at least one), fewer while that leaves SMs
+    /// without a block: the small matrices (k and v have 64 units) then still spread over the
+    /// GPU.
     fn geometry(&self, units: usize, split: u32) -> Result<Geometry> {
         let sms = self.sm_count()? as usize;
-        let mut warps = MAX_WARPS;
-        while warps > split && (units * split as usize).div_ceil(warps as usize) < sms {
-            warps /= 2;
+        let mut per_block = (MAX_WARPS / split).max(1);
+        while per_block > 1 && units.div_ceil(per_block as usize) < sms {
+            per_block /= 2;
         }
-        let per_block = warps / split;
         Ok(Geometry {
-            threads: 32 * warps,
+            threads: 32 * split * per_block,
             per_block,
             blocks: u32_of(units.div_ceil(per_block as usize), "decode blocks")?,
         })
@@ -166,7 +138,7 @@ impl Device {
         x: &impl DevicePtr<f32>,
         norm: &impl DevicePtr<f32>,
         eps: f32,
-        qkv: [(Weight, Option<&CudaSlice<f32>>); 3],
+        qkv: [(&GpuMatrix, Option<&CudaSlice<f32>>); 3],
         pos: &impl DevicePtr<u32>,
         rope: &impl DevicePtr<f32>,
         n_heads: usize,
@@ -195,16 +167,23 @@ impl Device {
         )?;
         let max_pos = (k_cache.len() / kv_dim).min(rope.len() / hd);
         u32_of(k_cache.len().max(rope.len()), "attn_qkv: caches and table")?;
-        let split = split_of(n_in, false, WHAT)?;
+        let split = split_of(n_in, WHAT)?;
         for ((w, bias), (n_out, name)) in
             qkv.iter()
                 .zip([(q.len(), "q"), (kv_dim, "k"), (kv_dim, "v")])
         {
-            w.check(n_out, n_in, &format!("attn_qkv {name}"))?;
+            check_matrix(w, n_out, n_in, &format!("attn_qkv {name}"))?;
             check(
                 bias.is_none_or(|b| b.len() == n_out),
                 &format!("attn_qkv {name}: bias and rows"),
             )?;
+        }
+        let name = family_kernel(WHAT, qkv[0].0.ty());
+        if qkv.iter().any(|(w, _)| family_kernel(WHAT, w.ty()) != name) {
+            return Err(Error::Invalid(format!(
+                "attn_qkv: q, k and v ({}) must be all quantized or all of one float type",
+                qkv.map(|(w, _)| w.ty().name()).join(", ")
+            )));
         }
         // Units: pairs of rows that RoPE rotates together (v's paired the same way).
         let (q_pairs, kv_pairs) = (q.len() / 2, kv_dim / 2);
@@ -214,7 +193,7 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: (q_blocks + 2 * kv_blocks, 1, 1),
             block_dim: (g.threads, 1, 1),
-            shared_mem_bytes: g.threads / 32 * 3 * 4,
+            shared_mem_bytes: shared_of(g.threads),
         };
         let s = self.stream();
         let (qp, _q) = q.device_ptr_mut(s);
@@ -226,13 +205,13 @@ impl Device {
         let (rp, _r) = rope.device_ptr(s);
         let ws = qkv.each_ref().map(|(w, _)| w.ptr(s));
         let bs = qkv.each_ref().map(|(_, b)| b.map(|b| b.device_ptr(s)));
-        check_aligned(&[xp, np, ws[0].0, ws[1].0, ws[2].0], WHAT)?;
+        check_aligned(&[xp, np], WHAT)?;
         // A null bias pointer: the kernel adds nothing.
         let bp = bs.each_ref().map(|b| b.as_ref().map_or(0, |(p, _)| *p));
         let tys = qkv.each_ref().map(|(w, _)| w.ty() as u32);
         let (n_in, n_heads, n_kv, hd) = (n_in as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
         let max_pos = max_pos as u32;
-        let mut l = s.launch_builder(self.kernel("attn_qkv"));
+        let mut l = self.launcher(&name, true);
         l.arg(&qp).arg(&kc).arg(&vc).arg(&xp).arg(&np).arg(&eps);
         for i in 0..3 {
             l.arg(&ws[i].0).arg(&tys[i]).arg(&bp[i]);
@@ -260,8 +239,8 @@ impl Device {
         x: &impl DevicePtr<f32>,
         norm: &impl DevicePtr<f32>,
         eps: f32,
-        gate: Weight,
-        up: Weight,
+        gate: &GpuMatrix,
+        up: &GpuMatrix,
     ) -> Result<()> {
         const WHAT: &str = "ffn_gate_up";
         let (n_in, n_out) = (x.len(), h.len());
@@ -273,24 +252,25 @@ impl Device {
                 up.ty().name()
             )));
         }
-        let split = split_of(n_in, true, WHAT)?;
-        gate.check(n_out, n_in, "ffn_gate_up gate")?;
-        up.check(n_out, n_in, "ffn_gate_up up")?;
+        let split = split_of(n_in, WHAT)?;
+        check_matrix(gate, n_out, n_in, "ffn_gate_up gate")?;
+        check_matrix(up, n_out, n_in, "ffn_gate_up up")?;
         if n_out == 0 {
             return Ok(());
         }
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split)?;
-        let cfg = self.strided_launch(WHAT, &g, NORM_SHARED)?;
+        let name = family_kernel(WHAT, gate.ty());
+        let cfg = self.strided_launch(&name, &g, shared_of(g.threads))?;
         let s = self.stream();
         let (hp, _h) = h.device_ptr_mut(s);
         let (xp, _x) = x.device_ptr(s);
         let (np, _n) = norm.device_ptr(s);
         let (gp, _g) = gate.ptr(s);
         let (upp, _u) = up.ptr(s);
-        check_aligned(&[xp, np, gp, upp], WHAT)?;
+        check_aligned(&[xp, np], WHAT)?;
         let (ty, n_in) = (gate.ty() as u32, n_in as u32);
-        let mut l = s.launch_builder(self.kernel(WHAT));
+        let mut l = self.launcher(&name, true);
         l.arg(&hp)
             .arg(&xp)
             .arg(&np)
@@ -313,14 +293,14 @@ impl Device {
     pub fn gemv_residual(
         &self,
         y: &mut impl DevicePtrMut<f32>,
-        w: Weight,
+        w: &GpuMatrix,
         bias: Option<&CudaSlice<f32>>,
         v: &impl DevicePtr<f32>,
     ) -> Result<()> {
         const WHAT: &str = "gemv_residual";
         let (n_in, n_out) = (v.len(), y.len());
-        let split = split_of(n_in, false, WHAT)?;
-        w.check(n_out, n_in, WHAT)?;
+        let split = split_of(n_in, WHAT)?;
+        check_matrix(w, n_out, n_in, WHAT)?;
         check(
             bias.is_none_or(|b| b.len() == n_out),
             "gemv_residual: bias and rows",
@@ -330,16 +310,17 @@ impl Device {
         }
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split)?;
-        let cfg = self.strided_launch(WHAT, &g, g.threads / 32 * 4)?;
+        let name = family_kernel(WHAT, w.ty());
+        let cfg = self.strided_launch(&name, &g, shared_of(g.threads))?;
         let s = self.stream();
         let (yp, _y) = y.device_ptr_mut(s);
         let (vp, _v) = v.device_ptr(s);
         let (wp, _w) = w.ptr(s);
         let bias = bias.map(|b| b.device_ptr(s));
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
-        check_aligned(&[vp, wp], WHAT)?;
+        check_aligned(&[vp], WHAT)?;
         let (ty, n_in) = (w.ty() as u32, u32_of(n_in, WHAT)?);
-        let mut l = s.launch_builder(self.kernel(WHAT));
+        let mut l = self.launcher(&name, true);
         l.arg(&yp).arg(&vp).arg(&wp).arg(&ty).arg(&bp);
         l.arg(&n_in).arg(&n_out32).arg(&split);
         // SAFETY: parameters (f32*, const f32*, const u8*, u32, const f32* or null, u32, u32,
@@ -367,14 +348,14 @@ impl Device {
         x: &impl DevicePtr<f32>,
         norm: &impl DevicePtr<f32>,
         eps: f32,
-        w: Weight,
+        w: &GpuMatrix,
         best: Option<(&mut dyn DevicePtrMut<u32>, &mut CudaSlice<u64>)>,
     ) -> Result<()> {
         const WHAT: &str = "logits";
         let (n_in, n_out) = (x.len(), logits.len());
         check(norm.len() == n_in, "logits: shapes of x and norm")?;
-        let split = split_of(n_in, true, WHAT)?;
-        w.check(n_out, n_in, WHAT)?;
+        let split = split_of(n_in, WHAT)?;
+        check_matrix(w, n_out, n_in, WHAT)?;
         check(
             n_out > 0
                 && best
@@ -384,18 +365,19 @@ impl Device {
         )?;
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split)?;
-        let cfg = self.strided_launch(WHAT, &g, NORM_SHARED)?;
+        let name = family_kernel(WHAT, w.ty());
+        let cfg = self.strided_launch(&name, &g, shared_of(g.threads))?;
         let s = self.stream();
         let (lp, _l) = logits.device_ptr_mut(s);
         let (xp, _x) = x.device_ptr(s);
         let (np, _n) = norm.device_ptr(s);
         let (wp, _w) = w.ptr(s);
-        check_aligned(&[xp, np, wp], WHAT)?;
+        check_aligned(&[xp, np], WHAT)?;
         let best = best.map(|(o, sc)| (o.device_ptr_mut(s), sc.device_ptr_mut(s)));
         // Null pointers: no arg-max.
         let (op, sp) = best.as_ref().map_or((0, 0), |((o, _), (sc, _))| (*o, *sc));
         let (ty, n_in) = (w.ty() as u32, n_in as u32);
-        let mut l = s.launch_builder(self.kernel(WHAT));
+        let mut l = self.launcher(&name, true);
         l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
         l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,

@@ -1,26 +1,31 @@
 //! Launch helpers of the matmul, quant and elementwise kernel families
 //! (gpu-kernels/src/{matmul,quant,elementwise}.rs).
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::CUfunction_attribute_enum;
+use cudarc::driver::{
+    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
 use half::f16;
 
 use super::{BLOCK, Device, check};
-use crate::quant::GgmlType;
+use crate::pack;
+use crate::quant::{GgmlType, dequantize_f16};
 use crate::{Error, Result};
 
-/// The GEMM kernel's output tile (tokens × outputs), its block size and its shared memory:
-/// the tensor-core loop's two stages of four `[64][32]` f16 tiles (the f32 loop, for rows of x
-/// or w that are not 16-byte aligned, needs 17408 bytes of them). The GEMV's block (8 warps)
-/// and shared memory (one f32 per warp). They must match gpu-kernels/src/matmul.rs.
+/// The GEMM kernel's output tile (tokens × outputs), its groups of 4 warps (the tensor-core
+/// loop's consumer and its teams of producers, at most `GEMM_MAX_TEAMS`), the shared memory of
+/// a team (two slots of a K step, four `[64][32]` f16 tiles each) and that of the f32 loop
+/// (for rows of x or w that are not 16-byte aligned). They must match
+/// gpu-kernels/src/matmul.rs.
 const GEMM_TILE: u32 = 64;
-const GEMM_THREADS: u32 = 256;
-const GEMM_SHARED_BYTES: u32 = 2 * 4 * 64 * 32 * 2;
-const GEMV_THREADS: u32 = 256;
-const GEMV_SHARED_BYTES: u32 = GEMV_THREADS / 32 * 4;
-/// Groups of 8 weights one GEMV warp reads in one step (32 lanes, 4 groups each).
-const GEMV_WARP_GROUPS: usize = 128;
-/// Where `matmul_q` and `embed` need the weights to start: q4_K and q5_K blocks are read by
-/// words.
-const WEIGHTS_ALIGN: u64 = 16;
+const GEMM_GROUP: u32 = 128;
+const GEMM_MAX_TEAMS: u32 = 3;
+const GEMM_TEAM_SHARED_BYTES: u32 = 2 * 4 * 64 * 32 * 2;
+const GEMM_F32_SHARED_BYTES: u32 = 2 * 32 * 68 * 4;
+/// The GEMV: at most this many warps per block, each lane one chunk of 32 weights per row
+/// (so rows of at most 32 warps' chunks; longer ones go to the GEMM), 2 f32 of shared memory
+/// per warp. They must match gpu-kernels/src/matmul.rs.
+const GEMV_WARPS: usize = 8;
+const GEMV_MAX_SPLIT: usize = 32;
 
 /// `n` as a kernel's `u32` size, or an error naming `what`.
 fn size_u32(n: usize, what: &str) -> Result<u32> {
@@ -52,82 +57,91 @@ fn matmul_kernels(ty: GgmlType) -> (&'static str, &'static str) {
     }
 }
 
-/// Warps per output of the GEMV for rows of `n_in`: enough that each warp's share is one
-/// step (long rows such as ffn_down's 4864 would otherwise leave most of the GPU idle, with
-/// one warp per row waiting on one load after another), at most the block's 8.
-fn gemv_split(n_in: usize) -> u32 {
-    n_in.div_ceil(8)
-        .div_ceil(GEMV_WARP_GROUPS)
-        .next_power_of_two()
-        .min((GEMV_THREADS / 32) as usize) as u32
+/// Warps per unit of the GEMV for rows of `n_in` (a lane per chunk of 32), or `None` when rows
+/// are empty or too long for it.
+pub(super) fn gemv_split(n_in: usize) -> Option<u32> {
+    let split = n_in.div_ceil(32).div_ceil(32);
+    (1..=GEMV_MAX_SPLIT)
+        .contains(&split)
+        .then_some(split as u32)
+}
+
+/// A weight matrix `[rows, n_in]` on the GPU as the kernels read it: a quantized type packed
+/// (`pack::pack`, 16-byte aligned sections), or plain floats as they are.
+pub struct GpuMatrix {
+    data: CudaSlice<u8>,
+    ty: GgmlType,
+    rows: usize,
+    n_in: usize,
+}
+
+impl GpuMatrix {
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn n_in(&self) -> usize {
+        self.n_in
+    }
+
+    /// Bytes on the GPU.
+    pub fn bytes(&self) -> usize {
+        self.data.len()
+    }
+
+    /// The device address (16-byte aligned) with its stream guard.
+    pub(super) fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
+        self.data.device_ptr(stream)
+    }
 }
 
 impl Device {
-    /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` f16
-    /// `[n_out, n_in]` row-major and f32 accumulation. `x` and `y` may be longer than
-    /// `rows` rows (reused buffers); the rest is untouched. `rows == 1` runs the GEMV kernel
-    /// (1 to 8 warps per output), `rows > 1` the tiled GEMM (see `launch_matmul`). Twin:
-    /// `cpu::matmul`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_f16(
-        &self,
-        y: &mut impl DevicePtrMut<f32>,
-        x: &impl DevicePtr<f32>,
-        w: &impl DevicePtr<f16>,
-        bias: Option<&CudaSlice<f32>>,
-        rows: usize,
-        n_in: usize,
-        n_out: usize,
-    ) -> Result<()> {
-        check(w.len() == n_out * n_in, "matmul_f16: shapes")?;
-        let (wp, _w) = w.device_ptr(self.stream());
-        self.launch_matmul(
-            GgmlType::F16,
-            y,
-            x,
-            wp,
-            bias,
+    /// The matrix `data`, whole rows of `n_in` elements of `ty` as stored in the file, on the
+    /// GPU in the kernels' layout (quantized types packed, losslessly).
+    pub fn upload_matrix(&self, ty: GgmlType, data: &[u8], n_in: usize) -> Result<GpuMatrix> {
+        let packed = pack::pack(ty, data, n_in)?;
+        let rows = data.len() / ty.row_bytes(n_in).unwrap_or(1).max(1);
+        Ok(GpuMatrix {
+            data: self.upload(&packed)?,
+            ty,
             rows,
             n_in,
-            n_out,
-            "matmul_f16",
-        )
+        })
     }
 
-    /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` the raw
-    /// file bytes of a `[n_out, n_in]` tensor of type `ty` (`n_out` rows of
-    /// `ty.row_bytes(n_in)` bytes, starting 16-byte aligned as GGUF tensor data does),
-    /// dequantized on the fly to exactly `quant::dequantize`'s values; f32 accumulation. `x`
-    /// and `y` may be longer than `rows` rows; the rest is untouched. `rows == 1` runs the
-    /// GEMV kernel, `rows > 1` the tiled GEMM (see `launch_matmul`). Twin: `cpu::matmul` on
-    /// the dequantized weights.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matmul_q(
+    /// The matrix `data` (as in `upload_matrix`) dequantized to f16 (the `--weights f16` path).
+    pub fn upload_matrix_f16(&self, ty: GgmlType, data: &[u8], n_in: usize) -> Result<GpuMatrix> {
+        let mut w = vec![f16::ZERO; data.len() / ty.block_bytes() * ty.block_elems()];
+        dequantize_f16(ty, data, &mut w)?;
+        // SAFETY: an f16 is 2 bytes with no padding and any bit pattern is a valid u8.
+        let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), 2 * w.len()) };
+        Ok(GpuMatrix {
+            data: self.upload(bytes)?,
+            ty: GgmlType::F16,
+            rows: w.len() / n_in.max(1),
+            n_in,
+        })
+    }
+
+    /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` `[n_out,
+    /// n_in]` dequantized on the fly to exactly `quant::dequantize`'s values; f32
+    /// accumulation. `x` and `y` may be longer than `rows` rows (reused buffers); the rest is
+    /// untouched. `rows == 1` runs the GEMV kernel (rows up to 32768), else the tiled GEMM (see
+    /// `launch_matmul`). Twin: `cpu::matmul` on the dequantized weights.
+    pub fn matmul(
         &self,
         y: &mut impl DevicePtrMut<f32>,
         x: &impl DevicePtr<f32>,
-        w: &impl DevicePtr<u8>,
-        ty: GgmlType,
+        w: &GpuMatrix,
         bias: Option<&CudaSlice<f32>>,
         rows: usize,
-        n_in: usize,
-        n_out: usize,
     ) -> Result<()> {
-        let row_bytes = ty.row_bytes(n_in).ok_or_else(|| {
-            Error::Invalid(format!(
-                "matmul_q: rows of {n_in} are not a whole number of {}-element {} blocks",
-                ty.block_elems(),
-                ty.name()
-            ))
-        })?;
-        check(w.len() == n_out * row_bytes, "matmul_q: shapes")?;
-        let (wp, _w) = w.device_ptr(self.stream());
-        if wp % WEIGHTS_ALIGN != 0 {
-            return Err(Error::Invalid(format!(
-                "matmul_q: the weights must start {WEIGHTS_ALIGN}-byte aligned"
-            )));
-        }
-        self.launch_matmul(ty, y, x, wp, bias, rows, n_in, n_out, "matmul_q")
+        let (wp, _w) = w.ptr(self.stream());
+        self.launch_matmul(w.ty, y, x, wp, bias, rows, w.n_in, w.rows, "matmul")
     }
 
     /// Launches the GEMV (`rows == 1`) or GEMM of weights of type `ty` at `w`, whose size and
@@ -169,65 +183,73 @@ impl Device {
         let bias = bias.map(|b| b.device_ptr(stream));
         // A null bias pointer: the kernels add nothing.
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
-        if rows == 1 {
-            let split = gemv_split(n_in);
-            let rows_per_block = GEMV_THREADS / 32 / split;
+        if let (1, Some(split)) = (rows, gemv_split(n_in)) {
+            // Units of 2 rows, `split` warps each, as many per block as make 8 warps.
+            let per_block = (GEMV_WARPS / split as usize).max(1);
+            let threads = 32 * split * per_block as u32;
             let cfg = LaunchConfig {
-                grid_dim: (n_out32.div_ceil(rows_per_block), 1, 1),
-                block_dim: (GEMV_THREADS, 1, 1),
-                shared_mem_bytes: GEMV_SHARED_BYTES,
+                grid_dim: (
+                    size_u32(n_out.div_ceil(2 * per_block), "gemv blocks")?,
+                    1,
+                    1,
+                ),
+                block_dim: (threads, 1, 1),
+                shared_mem_bytes: threads / 32 * 2 * 4,
             };
             let mut l = stream.launch_builder(self.kernel(gemv));
             l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
             l.arg(&n_in32).arg(&n_out32).arg(&split);
             // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
             // u32); the kernel reads n_in of x, the n_out rows of w, n_out of bias and writes
-            // n_out of y, all checked above and by the caller; block and shared size are the
-            // kernel's, split one of 1, 2, 4, 8.
+            // n_out of y, all checked above and by the caller; blocks are whole units of
+            // `split` warps with 32·split lanes for the row's chunks, shared 2 f32 per warp.
             unsafe { l.launch(cfg) }?;
         } else {
+            let f = self.kernel(gemm);
+            // The consumer group and as many producer teams as fit in a block with the
+            // kernel's registers (as compiled for this GPU): 3 at up to 128 registers a thread.
+            // Below 2 groups the kernel runs the f32 loop (no tensor-core loop without a team).
+            let groups =
+                (f.max_threads_per_block()? as u32 / GEMM_GROUP).clamp(1, 1 + GEMM_MAX_TEAMS);
+            let shared = GEMM_F32_SHARED_BYTES.max((groups - 1) * GEMM_TEAM_SHARED_BYTES);
+            if shared > 48 << 10 {
+                // More than a block gets without asking.
+                f.set_attribute(
+                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                    shared as i32,
+                )?;
+            }
             let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
             let cfg = LaunchConfig {
                 grid_dim: (size_u32(tiles, &format!("{what} tiles"))?, 1, 1),
-                block_dim: (GEMM_THREADS, 1, 1),
-                shared_mem_bytes: GEMM_SHARED_BYTES,
+                block_dim: (groups * GEMM_GROUP, 1, 1),
+                shared_mem_bytes: shared,
             };
-            let mut l = stream.launch_builder(self.kernel(gemm));
+            let mut l = stream.launch_builder(f);
             l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
             l.arg(&rows32).arg(&n_in32).arg(&n_out32);
             // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
             // u32); the kernel reads rows·n_in of x, the n_out rows of w, n_out of bias and
-            // writes rows·n_out of y, all checked above and by the caller; block and shared
-            // size are the kernel's.
+            // writes rows·n_out of y, all checked above and by the caller; the block is whole
+            // groups of 128 threads (the kernel runs any number, the tensor-core loop from 2),
+            // no more than the kernel's registers allow, and the shared size is what the
+            // kernel needs for them, allowed by the attribute above.
             unsafe { l.launch(cfg) }?;
         }
         Ok(())
     }
 
-    /// `y = w · x` with `w` f16 `[y.len(), x.len()]`. Twin: `cpu::gemv_f16`.
-    pub fn gemv_f16(
-        &self,
-        y: &mut impl DevicePtrMut<f32>,
-        w: &impl DevicePtr<f16>,
-        x: &impl DevicePtr<f32>,
-    ) -> Result<()> {
-        let (n_out, n_in) = (y.len(), x.len());
-        self.matmul_f16(y, x, w, None, 1, n_in, n_out)
-    }
-
-    /// `out[t, :]` = row `tokens[t]` of the embedding table dequantized, for `t` in
-    /// `0..n_tokens`. `table` holds the raw file bytes of a `[rows, hidden]` tensor of type `ty`,
-    /// starting 16-byte aligned; a token id beyond its rows gives a row of NaN. Twin: `quant::dequantize` of the row.
+    /// `out[t, :]` = row `tokens[t]` of the embedding table `table` `[rows, hidden]`
+    /// dequantized, for `t` in `0..n_tokens`; a token id beyond its rows gives a row of NaN.
+    /// Twin: `quant::dequantize` of the row.
     pub fn embed(
         &self,
         out: &mut impl DevicePtrMut<f32>,
-        table: &impl DevicePtr<u8>,
-        ty: GgmlType,
+        table: &GpuMatrix,
         tokens: &impl DevicePtr<u32>,
         n_tokens: usize,
-        hidden: usize,
     ) -> Result<()> {
-        self.embed_rows(out, table, ty, tokens, 0, n_tokens, hidden)
+        self.embed_rows(out, table, tokens, 0, n_tokens)
     }
 
     /// `embed` of the one token `tokens[pos[0]]` into `out[..hidden]`, the position read on
@@ -236,50 +258,36 @@ impl Device {
     pub fn embed_at(
         &self,
         out: &mut impl DevicePtrMut<f32>,
-        table: &impl DevicePtr<u8>,
-        ty: GgmlType,
+        table: &GpuMatrix,
         tokens: &impl DevicePtr<u32>,
         pos: &impl DevicePtr<u32>,
-        hidden: usize,
     ) -> Result<()> {
         check(pos.len() >= 1, "embed_at: pos")?;
         let (pp, _p) = pos.device_ptr(self.stream());
-        self.embed_rows(out, table, ty, tokens, pp, 1, hidden)
+        self.embed_rows(out, table, tokens, pp, 1)
     }
 
     /// The `embed` kernel over `n_tokens` ids of `tokens` from `pos[0]` on (`pos` a device
     /// pointer), or from 0 when `pos` is 0.
-    #[allow(clippy::too_many_arguments)]
     fn embed_rows(
         &self,
         out: &mut impl DevicePtrMut<f32>,
-        table: &impl DevicePtr<u8>,
-        ty: GgmlType,
+        table: &GpuMatrix,
         tokens: &impl DevicePtr<u32>,
         pos: u64,
         n_tokens: usize,
-        hidden: usize,
     ) -> Result<()> {
-        let row_bytes = ty.row_bytes(hidden).filter(|&b| b > 0).ok_or_else(|| {
-            Error::Invalid(format!(
-                "embed: rows of {hidden} are not a whole number of {}-element {} blocks",
-                ty.block_elems(),
-                ty.name()
-            ))
-        })?;
+        let hidden = table.n_in;
         check(
-            tokens.len() >= n_tokens
-                && out.len() >= n_tokens * hidden
-                && table.len() >= row_bytes
-                && table.len().is_multiple_of(row_bytes),
+            tokens.len() >= n_tokens && out.len() >= n_tokens * hidden,
             "embed: shapes",
         )?;
         if n_tokens == 0 {
             return Ok(());
         }
-        let n_rows = size_u32(table.len() / row_bytes, "embed rows")?;
+        let n_rows = size_u32(table.rows, "embed rows")?;
         let n_ids = size_u32(tokens.len(), "embed tokens")?;
-        let (hidden, ty) = (size_u32(hidden, "embed hidden")?, ty as u32);
+        let (hidden, ty) = (size_u32(hidden, "embed hidden")?, table.ty as u32);
         let cfg = LaunchConfig {
             grid_dim: (size_u32(n_tokens, "embed tokens")?, 1, 1),
             block_dim: (BLOCK, 1, 1),
@@ -287,14 +295,10 @@ impl Device {
         };
         let stream = self.stream();
         let (op, _o) = out.device_ptr_mut(stream);
-        let (tp, _t) = table.device_ptr(stream);
-        if tp % WEIGHTS_ALIGN != 0 {
-            return Err(Error::Invalid(format!(
-                "embed: the table must start {WEIGHTS_ALIGN}-byte aligned"
-            )));
-        }
+        let (tp, _t) = table.ptr(stream);
         let (kp, _k) = tokens.device_ptr(stream);
-        let mut l = stream.launch_builder(self.kernel("embed"));
+        // In a decode step (`pos` on the device) it may overlap the kernel before it.
+        let mut l = self.launcher("embed", pos != 0);
         l.arg(&op)
             .arg(&tp)
             .arg(&ty)
@@ -305,8 +309,9 @@ impl Device {
             .arg(&hidden);
         // SAFETY: parameters (f32*, const u8*, u32, const u32*, const u32* or null, u32, u32,
         // u32); the kernel reads n_tokens ids from tokens[pos[0]] (or tokens[0]) on, below
-        // n_ids or it traps, rows below n_rows of the table (whole rows, checked above) and
-        // writes n_tokens·hidden of out; `pos` is null or a live buffer the caller holds.
+        // n_ids or it traps, rows below n_rows of the table (a GpuMatrix: its layout, 16-byte
+        // aligned) and writes n_tokens·hidden of out; `pos` is null or a live buffer the
+        // caller holds.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }

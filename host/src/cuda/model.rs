@@ -9,15 +9,13 @@
 use std::cell::{Cell, RefCell};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
-use half::f16;
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut};
 
-use super::decode::Weight;
-use super::{AttentionScratch, Device};
+use super::{AttentionScratch, Device, GpuMatrix};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::models::Progress;
-use crate::quant::{GgmlType, dequantize_f16, dequantize_to_vec};
+use crate::quant::{GgmlType, dequantize_to_vec};
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
@@ -34,81 +32,29 @@ pub enum WeightFormat {
     F16,
 }
 
-/// One weight matrix `[n_out, n_in]` on the GPU.
-enum Matrix {
-    Native { bytes: CudaSlice<u8>, ty: GgmlType },
-    F16(CudaSlice<f16>),
-}
-
-impl Matrix {
-    fn load(dev: &Device, g: &Gguf, name: &str, format: WeightFormat) -> Result<Matrix> {
-        let t = g.tensor(name)?;
-        Ok(match format {
-            WeightFormat::Native => Matrix::Native {
-                bytes: dev.upload(g.tensor_data(t))?,
-                ty: t.ty,
-            },
-            WeightFormat::F16 => {
-                let mut w = vec![f16::ZERO; t.n_elems() as usize];
-                dequantize_f16(t.ty, g.tensor_data(t), &mut w)?;
-                Matrix::F16(dev.upload(&w)?)
-            }
-        })
-    }
-}
-
-impl Matrix {
-    /// The matrix as the fused decode kernels take it.
-    fn weight(&self) -> Weight<'_> {
-        match self {
-            Matrix::Native { bytes, ty } => Weight::Raw(bytes, *ty),
-            Matrix::F16(w) => Weight::F16(w),
-        }
-    }
-
-    fn bytes(&self) -> usize {
-        match self {
-            Matrix::Native { bytes, .. } => bytes.len(),
-            Matrix::F16(w) => w.len() * 2,
-        }
-    }
-}
-
-impl Device {
-    /// `y = x · wᵀ (+ bias)` for `rows` tokens, whatever the matrix's format.
-    #[allow(clippy::too_many_arguments)] // the shapes, as the kernels take them
-    fn linear(
-        &self,
-        y: &mut impl DevicePtrMut<f32>,
-        x: &impl DevicePtr<f32>,
-        w: &Matrix,
-        bias: Option<&CudaSlice<f32>>,
-        rows: usize,
-        n_in: usize,
-        n_out: usize,
-    ) -> Result<()> {
-        match w {
-            Matrix::Native { bytes, ty } => {
-                self.matmul_q(y, x, bytes, *ty, bias, rows, n_in, n_out)
-            }
-            Matrix::F16(w) => self.matmul_f16(y, x, w, bias, rows, n_in, n_out),
-        }
+/// The matrix `name` of `g` on the GPU in `format`; its rows are the tensor's `shape[0]`.
+fn load_matrix(dev: &Device, g: &Gguf, name: &str, format: WeightFormat) -> Result<GpuMatrix> {
+    let t = g.tensor(name)?;
+    let (data, n_in) = (g.tensor_data(t), t.shape[0] as usize);
+    match format {
+        WeightFormat::Native => dev.upload_matrix(t.ty, data, n_in),
+        WeightFormat::F16 => dev.upload_matrix_f16(t.ty, data, n_in),
     }
 }
 
 struct Layer {
     attn_norm: CudaSlice<f32>,
-    wq: Matrix,
+    wq: GpuMatrix,
     bq: CudaSlice<f32>,
-    wk: Matrix,
+    wk: GpuMatrix,
     bk: CudaSlice<f32>,
-    wv: Matrix,
+    wv: GpuMatrix,
     bv: CudaSlice<f32>,
-    wo: Matrix,
+    wo: GpuMatrix,
     ffn_norm: CudaSlice<f32>,
-    w_gate: Matrix,
-    w_up: Matrix,
-    w_down: Matrix,
+    w_gate: GpuMatrix,
+    w_up: GpuMatrix,
+    w_down: GpuMatrix,
     k_cache: CudaSlice<f32>,
     v_cache: CudaSlice<f32>,
 }
@@ -150,11 +96,10 @@ unsafe impl Send for DecodeGraph {}
 pub struct CudaModel {
     pub cfg: Config,
     dev: Device,
-    token_embd: CudaSlice<u8>,
-    token_embd_ty: GgmlType,
+    token_embd: GpuMatrix,
     layers: Vec<Layer>,
     output_norm: CudaSlice<f32>,
-    output: Matrix,
+    output: GpuMatrix,
     rope: CudaSlice<f32>,
     buf: Buffers,
     /// Tokens in the KV cache.
@@ -208,7 +153,7 @@ impl CudaModel {
         };
         let matrix = |name: &str| {
             uploaded(name)?;
-            Matrix::load(&dev, g, name, format)
+            load_matrix(&dev, g, name, format)
         };
         let kv_len = max_ctx * cfg.kv_dim();
         let layers = (0..cfg.n_layers)
@@ -256,8 +201,10 @@ impl CudaModel {
             best: dev.logits_scratch()?,
         };
         Ok(CudaModel {
-            token_embd: dev.upload(g.tensor_data(uploaded("token_embd.weight")?))?,
-            token_embd_ty: embd.ty,
+            token_embd: {
+                let t = uploaded("token_embd.weight")?;
+                dev.upload_matrix(t.ty, g.tensor_data(t), cfg.hidden)?
+            },
             layers,
             output_norm: f32s("output_norm.weight")?,
             output: matrix(output_name)?,
@@ -290,12 +237,12 @@ impl CudaModel {
                     .iter()
                     .sum::<usize>()
                     + [&l.wq, &l.wk, &l.wv, &l.wo, &l.w_gate, &l.w_up, &l.w_down]
-                        .map(Matrix::bytes)
+                        .map(GpuMatrix::bytes)
                         .iter()
                         .sum::<usize>()
             })
             .sum();
-        let embd_row = self.token_embd_ty.row_bytes(self.cfg.hidden).unwrap_or(0);
+        let embd_row = self.token_embd.bytes() / self.token_embd.rows().max(1);
         (layers + f32s(&self.output_norm) + self.output.bytes() + embd_row) as u64
     }
 
@@ -404,22 +351,15 @@ impl CudaModel {
 
         // Token embedding of tokens[pos].
         let mut x = b.x.slice_mut(..hidden);
-        dev.embed_at(
-            &mut x,
-            &self.token_embd,
-            self.token_embd_ty,
-            &b.tokens,
-            &b.pos,
-            hidden,
-        )?;
+        dev.embed_at(&mut x, &self.token_embd, &b.tokens, &b.pos)?;
 
         for w in &mut self.layers {
             // Attention block: norm, q/k/v with bias, RoPE and the cache append in one kernel;
             // attention; the output projection added to the residual.
             let qkv = [
-                (w.wq.weight(), Some(&w.bq)),
-                (w.wk.weight(), Some(&w.bk)),
-                (w.wv.weight(), Some(&w.bv)),
+                (&w.wq, Some(&w.bq)),
+                (&w.wk, Some(&w.bk)),
+                (&w.wv, Some(&w.bv)),
             ];
             let mut q = b.q.slice_mut(..hidden);
             dev.attn_qkv(
@@ -448,26 +388,19 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            dev.gemv_residual(&mut x, w.wo.weight(), None, &att)?;
+            dev.gemv_residual(&mut x, &w.wo, None, &att)?;
 
             // Feed-forward block: norm, gate and up with SiLU·mul in one kernel; the down
             // projection added to the residual.
             let mut h = b.gate.slice_mut(..c.ffn);
-            dev.ffn_gate_up(
-                &mut h,
-                &x,
-                &w.ffn_norm,
-                eps,
-                w.w_gate.weight(),
-                w.w_up.weight(),
-            )?;
-            dev.gemv_residual(&mut x, w.w_down.weight(), None, &h)?;
+            dev.ffn_gate_up(&mut h, &x, &w.ffn_norm, eps, &w.w_gate, &w.w_up)?;
+            dev.gemv_residual(&mut x, &w.w_down, None, &h)?;
         }
 
         // Final norm and output projection, then the next token, written to tokens[pos + 1]:
         // greedy takes the projection's fused arg-max, sampling reads the logits.
         let mut logits = b.logits.slice_mut(..c.vocab);
-        let (out_norm, output) = (&self.output_norm, self.output.weight());
+        let (out_norm, output) = (&self.output_norm, &self.output);
         if p.temperature == 0.0 && p.repeat_penalty == 1.0 {
             let best = Some((&mut b.next as &mut dyn DevicePtrMut<u32>, &mut b.best));
             dev.logits(&mut logits, &x, out_norm, eps, output, best)?;
@@ -511,10 +444,8 @@ impl CudaModel {
         dev.embed(
             &mut view_mut(&mut b.x, n * hidden),
             &self.token_embd,
-            self.token_embd_ty,
             &ids,
             n,
-            hidden,
         )?;
 
         for w in &mut self.layers {
@@ -526,32 +457,26 @@ impl CudaModel {
                 c.rms_eps,
             )?;
             let xb = view(&b.xb, n * hidden);
-            dev.linear(
+            dev.matmul(
                 &mut view_mut(&mut b.q, n * hidden),
                 &xb,
                 &w.wq,
                 Some(&w.bq),
                 n,
-                hidden,
-                hidden,
             )?;
-            dev.linear(
+            dev.matmul(
                 &mut view_mut(&mut b.k, n * kv_dim),
                 &xb,
                 &w.wk,
                 Some(&w.bk),
                 n,
-                hidden,
-                kv_dim,
             )?;
-            dev.linear(
+            dev.matmul(
                 &mut view_mut(&mut b.v, n * kv_dim),
                 &xb,
                 &w.wv,
                 Some(&w.bv),
                 n,
-                hidden,
-                kv_dim,
             )?;
             dev.rope_neox(
                 &mut view_mut(&mut b.q, n * hidden),
@@ -587,14 +512,12 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            dev.linear(
+            dev.matmul(
                 &mut view_mut(&mut b.xb, n * hidden),
                 &view(&b.att, n * hidden),
                 &w.wo,
                 None,
                 n,
-                hidden,
-                hidden,
             )?;
             dev.add(
                 &mut view_mut(&mut b.x, n * hidden),
@@ -609,36 +532,24 @@ impl CudaModel {
                 c.rms_eps,
             )?;
             let xb = view(&b.xb, n * hidden);
-            dev.linear(
+            dev.matmul(
                 &mut view_mut(&mut b.gate, n * c.ffn),
                 &xb,
                 &w.w_gate,
                 None,
                 n,
-                hidden,
-                c.ffn,
             )?;
-            dev.linear(
-                &mut view_mut(&mut b.up, n * c.ffn),
-                &xb,
-                &w.w_up,
-                None,
-                n,
-                hidden,
-                c.ffn,
-            )?;
+            dev.matmul(&mut view_mut(&mut b.up, n * c.ffn), &xb, &w.w_up, None, n)?;
             dev.silu_mul(
                 &mut view_mut(&mut b.gate, n * c.ffn),
                 &view(&b.up, n * c.ffn),
             )?;
-            dev.linear(
+            dev.matmul(
                 &mut view_mut(&mut b.xb, n * hidden),
                 &view(&b.gate, n * c.ffn),
                 &w.w_down,
                 None,
                 n,
-                c.ffn,
-                hidden,
             )?;
             dev.add(
                 &mut view_mut(&mut b.x, n * hidden),
@@ -655,14 +566,12 @@ impl CudaModel {
             &self.output_norm,
             c.rms_eps,
         )?;
-        dev.linear(
+        dev.matmul(
             &mut b.logits.slice_mut(..out_rows * c.vocab),
             &view(&b.xb, out_rows * hidden),
             &self.output,
             None,
             out_rows,
-            hidden,
-            c.vocab,
         )?;
         self.pos += n;
         Ok(out_rows)
@@ -692,7 +601,11 @@ fn check_memory(
         .iter()
         .map(|t| match (t.name.as_str(), t.ty, format) {
             ("token_embd.weight", _, _) | (_, GgmlType::F32, _) | (_, _, WeightFormat::Native) => {
-                t.bytes
+                let (n_in, rows) = (
+                    t.shape[0] as usize,
+                    (t.n_elems() / t.shape[0].max(1)) as usize,
+                );
+                crate::pack::layout(t.ty, rows, n_in).map_or(t.bytes, |l| l.bytes as u64)
             }
             (_, _, WeightFormat::F16) => t.n_elems() * 2,
         })

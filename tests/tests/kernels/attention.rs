@@ -14,11 +14,12 @@ const THETA: f32 = 1e6;
 /// Attention's tolerance: max |gpu - cpu| <= TOL * (1 + |cpu|). The two differ in the order
 /// of the 64-term dot products (~1e-5 absolute on scores of spread ~4: ~2e-6 relative on the
 /// weights), in ex2.approx (2^-22 relative, plus the rounding of x*log2(e), ~|x|*6e-8 for
-/// |x| <= ~40) and in the order of the softmax sums over up to 8192 keys (~sqrt(n)*6e-8).
-/// The output is a convex combination of v (|v| <= 2), so each is well below 2e-5; the
-/// kernels' algorithms run on the CPU (`online_softmax_algorithms_match_cpu`) measure
-/// 1e-6..9e-6 (the most at 8192 keys), also on the real model's layer 0 with scores up to
-/// ~1500.
+/// |x| <= ~40) and in the order of the softmax sums over up to 8192 keys (~sqrt(n)*6e-8);
+/// the prefill kernel's tensor-core products of f16 halves (`split16`) add ~2^-22 relative per
+/// product term. The output is a convex combination of v (|v| <= 2), so each is well below
+/// 2e-5; the kernels' algorithms run on the CPU (`online_softmax_algorithms_match_cpu`)
+/// measure 1e-6..9e-6 (the most at 8192 keys), also on the real model's layer 0 with scores
+/// up to ~1500.
 const TOL: f32 = 2e-5;
 
 /// Uniform in [-scale, scale): scale 3.5 has the standard deviation of N(0,1)*2.
@@ -216,15 +217,17 @@ fn case(rng: &mut Rng, pos: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>
 }
 
 /// The decode kernel splits the keys into slices of whole 32-key tiles, at most 64 of them
-/// (1 key: one slice; 257: nine; 8192: 64 of 128), and combines the slices' partials in the
-/// last block to finish. Shapes: the model's, and 40 q heads on 2 kv heads with head_dim 128
-/// (groups of 20: three blocks of 7 warps per kv head, the last with 6 heads).
+/// (1 key: one slice; 257: nine; 2049: 33, more than one warp's lanes in the combine; 8192:
+/// 64 of 128), and combines the slices' partials in the last block to finish. Shapes: the
+/// model's, 40 q heads on 2 kv heads with head_dim 128 (groups of 20: three blocks of 8 warps
+/// per kv head, the last with 4 heads), and head_dim 41 (odd: the generic path's scalar
+/// loads).
 #[test]
 fn attention_decode_matches_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(14);
-    for (n_heads, n_kv, head_dim) in [(N_HEADS, N_KV, HEAD_DIM), (40, 2, 128)] {
-        for n_keys in [1, 2, 17, 257, 1000, 4097, 8192] {
+    for (n_heads, n_kv, head_dim) in [(N_HEADS, N_KV, HEAD_DIM), (40, 2, 128), (6, 2, 41)] {
+        for n_keys in [1, 2, 17, 257, 1000, 2049, 4097, 8192] {
             let (q, k, v, want) = decode_case(&mut rng, n_keys, n_heads, n_kv, head_dim);
             let got = gpu_attention(&dev, &q, &k, &v, n_keys - 1, n_heads, n_kv, head_dim);
             let err = max_err(&got, &want);
@@ -341,8 +344,10 @@ fn attention_decode_reuses_its_scratch() {
 fn attention_prefill_matches_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(15);
-    for pos in [0, 37] {
-        for rows in [1, 7, 64, 100, 500] {
+    // 512 rows at 0: the model's prompt (8 blocks of 64 rows); at 300: a later chunk of a long
+    // prompt. Rows not a multiple of 64, a block's worth plus one, and 2.
+    for pos in [0, 37, 300] {
+        for rows in [2, 7, 64, 65, 100, 500, 512] {
             let (q, k, v, want) = case(&mut rng, pos, rows);
             let got = gpu_attention(&dev, &q, &k, &v, pos, N_HEADS, N_KV, HEAD_DIM);
             let err = max_err(&got, &want);
@@ -352,13 +357,23 @@ fn attention_prefill_matches_cpu() {
     }
 }
 
-/// Other shapes: head_dim 128 and 40 (not a multiple of 32), MHA (n_kv = n_heads), one head.
+/// Other shapes, on the kernels' generic path (head dims padded to 128): head_dim 128, 40
+/// (not a multiple of 32), 41 and 17 (odd: unaligned rows), MHA (n_kv = n_heads), one head,
+/// 32; and 64 with 3 heads.
 #[test]
 fn attention_other_shapes_match_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(16);
-    for (n_heads, n_kv, head_dim) in [(4, 2, 128), (6, 3, 40), (3, 3, 64), (1, 1, 32)] {
-        for (pos, rows) in [(0, 1), (70, 1), (0, 45), (19, 33)] {
+    let shapes = [
+        (4, 2, 128),
+        (6, 3, 40),
+        (2, 1, 41),
+        (5, 5, 17),
+        (3, 3, 64),
+        (1, 1, 32),
+    ];
+    for (n_heads, n_kv, head_dim) in shapes {
+        for (pos, rows) in [(0, 1), (70, 1), (0, 45), (19, 33), (5, 130)] {
             let kv_dim = n_kv * head_dim;
             let q = rand(&mut rng, rows * n_heads * head_dim, 3.5);
             let k = rand(&mut rng, (pos + rows) * kv_dim, 3.5);
@@ -525,16 +540,26 @@ fn attention_layer0_real_model_matches_cpu() {
     assert!(err <= TOL, "layer 0 attention: {err}");
 }
 
-/// The prefill kernel's algorithm on the CPU, with its tile and row arithmetic: 16 rows per
-/// block, keys in tiles of 32 skipped past each row's position, online softmax per tile.
-/// The decode kernel's algorithm likewise: the keys in up to 64 slices of whole tiles, each
-/// slice's partial softmax, combined at the end. Both against cpu::attention, which checks
-/// the algorithm and the tolerance apart from ex2.approx (here the CPU's exp) and the warp
-/// sums' order.
+/// The prefill kernel's algorithm on the CPU, with its tile and row arithmetic: blocks of 64
+/// rows, their keys in rounds of 64, each round's first 32 keys to part 0 and the rest to
+/// part 1, each part an online softmax over its tiles (tiles after a row's position skipped),
+/// the parts met at the end, and every product of q·k and p·v taken from f16 halves as the
+/// tensor cores take them. The decode kernel's algorithm likewise: the keys in up to 64
+/// slices of whole tiles, each slice's partial softmax, combined at the end. Both against
+/// cpu::attention, which checks the algorithm and the tolerance apart from ex2.approx (here
+/// the CPU's exp), the tensor cores' sums and the warp sums' order.
 #[test]
 fn online_softmax_algorithms_match_cpu() {
     let mut rng = Rng::new(17);
-    for (pos, rows) in [(0, 100), (37, 45), (4096, 1), (8191, 1), (40, 1), (0, 1)] {
+    for (pos, rows) in [
+        (0, 100),
+        (37, 45),
+        (0, 200),
+        (4096, 1),
+        (8191, 1),
+        (40, 1),
+        (0, 1),
+    ] {
         let (q, k, v, want) = case(&mut rng, pos, rows);
         let got = if rows == 1 {
             simulate_decode(&q, &k, &v, pos)
@@ -583,7 +608,6 @@ fn online_softmax_algorithms_match_cpu() {
     }
 }
 
-const WARPS: usize = 16;
 const TILE: usize = 32;
 /// The decode kernel's slices: `DECODE_SPLITS` of host/src/cuda/attention.rs.
 const SPLITS: usize = 64;
@@ -625,21 +649,196 @@ fn simulate_tiles(
     (m, l, acc)
 }
 
+/// `x ≈ hi + lo / 2048` in f16 halves, as the prefill kernel splits its tensor-core operands.
+fn split16(x: f32) -> (f32, f32) {
+    let hi = half::f16::from_f32(x).to_f32();
+    (hi, half::f16::from_f32((x - hi) * 2048.0).to_f32())
+}
+
+/// `a·b` from split halves: hi·hi + (lo·hi + hi·lo) / 2048 in two sums, lo·lo left out.
+fn split_dot(a: &[(f32, f32)], b: &[(f32, f32)]) -> f32 {
+    let (mut main, mut cross) = (0.0f32, 0.0f32);
+    for (a, b) in a.iter().zip(b) {
+        main += a.0 * b.0;
+        cross += a.1 * b.0 + a.0 * b.1;
+    }
+    main + cross / 2048.0
+}
+
 fn simulate_prefill(q: &[f32], k: &[f32], v: &[f32], pos: usize, rows: usize) -> Vec<f32> {
-    let (hd, q_dim) = (HEAD_DIM, N_HEADS * HEAD_DIM);
+    let (hd, q_dim, kv_dim) = (HEAD_DIM, N_HEADS * HEAD_DIM, N_KV * HEAD_DIM);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let ks: Vec<(f32, f32)> = k.iter().map(|&x| split16(x)).collect();
+    let vs: Vec<(f32, f32)> = v.iter().map(|&x| split16(x)).collect();
     let mut out = vec![0.0; q.len()];
-    for block in 0..rows.div_ceil(WARPS) {
+    for row in 0..rows {
+        // The keys of the row's block: up to its last row's position.
+        let n_keys = pos + rows.min(row / 64 * 64 + 64);
+        let last = pos + row;
         for h in 0..N_HEADS {
             let kv_off = h / (N_HEADS / N_KV) * hd;
-            for row in block * WARPS..rows.min(block * WARPS + WARPS) {
-                let qr = &q[row * q_dim + h * hd..][..hd];
-                let (_, l, acc) = simulate_tiles(qr, k, v, kv_off, 0, pos + row);
-                let o = &mut out[row * q_dim + h * hd..][..hd];
-                o.iter_mut().zip(&acc).for_each(|(o, a)| *o = a / l);
+            let qs: Vec<(f32, f32)> = q[row * q_dim + h * hd..][..hd]
+                .iter()
+                .map(|&x| split16(x))
+                .collect();
+            // Each part's (max, sum, unnormalised output).
+            let parts = [0, 1].map(|part| {
+                let (mut m, mut l) = (f32::NEG_INFINITY, 0.0f32);
+                let (mut main, mut cross) = (vec![0.0f32; hd], vec![0.0f32; hd]);
+                for k0 in (32 * part..n_keys).step_by(64) {
+                    if k0 > last {
+                        continue;
+                    }
+                    let s: Vec<f32> = (k0..k0 + 32)
+                        .map(|j| {
+                            if j > last {
+                                return f32::NEG_INFINITY;
+                            }
+                            split_dot(&qs, &ks[j * kv_dim + kv_off..][..hd]) * scale
+                        })
+                        .collect();
+                    // A part with no live key yet keeps max -inf and weighs its keys 0.
+                    let mt = s.iter().copied().fold(m, f32::max);
+                    let m_use = if mt == f32::NEG_INFINITY { 0.0 } else { mt };
+                    let corr = (m - m_use).exp();
+                    m = mt;
+                    let p: Vec<f32> = s.iter().map(|s| (s - m_use).exp()).collect();
+                    l = l * corr + p.iter().sum::<f32>();
+                    main.iter_mut().for_each(|a| *a *= corr);
+                    cross.iter_mut().for_each(|a| *a *= corr);
+                    for (j, p) in (k0..=last.min(k0 + 31)).zip(&p) {
+                        let (ph, pl) = split16(*p);
+                        for (d, (vh, vl)) in vs[j * kv_dim + kv_off..][..hd].iter().enumerate() {
+                            main[d] += ph * vh;
+                            cross[d] += pl * vh + ph * vl;
+                        }
+                    }
+                }
+                let o: Vec<f32> = main
+                    .iter()
+                    .zip(&cross)
+                    .map(|(a, c)| a + c / 2048.0)
+                    .collect();
+                (m, l, o)
+            });
+            // Part 0 has key 0, so its max is finite; part 1's may be -inf and weigh 0.
+            let [(m0, l0, o0), (m1, l1, o1)] = parts;
+            let mx = m0.max(m1);
+            let (f0, f1) = ((m0 - mx).exp(), (m1 - mx).exp());
+            let l = l0 * f0 + l1 * f1;
+            let o = &mut out[row * q_dim + h * hd..][..hd];
+            for (d, o) in o.iter_mut().enumerate() {
+                *o = (o0[d] * f0 + o1[d] * f1) / l;
             }
         }
     }
     out
+}
+
+/// The prefill kernel's shared-memory layout and ldmatrix addressing, on the CPU, for both
+/// padded head dims: the 256 threads' staged units of 4 floats fill the round's `[keys][D]`
+/// tile of halves exactly once, 16-byte chunk `j` of row `r` at chunk `j ^ (r % 8)`; each
+/// ldmatrix that the lanes' row addresses describe yields, as PTX defines ldmatrix (lane `l`
+/// gets row `l / 4`, halves `2 (l % 4)` and `+1` of each matrix; with .trans, column `l / 4`,
+/// rows `2 (l % 4)` and `+1`), exactly the B fragments of mma.m16n8k16 (k `2c, 2c + 1` and
+/// `+8` of column `g`): K's (key, dim) for Q·Kᵀ and V's (key, dim) for P·V. And no bank
+/// conflicts: each 8-row ldmatrix phase and each half-warp's 8-byte stores hit distinct banks.
+#[test]
+fn prefill_fragments_address_the_right_elements() {
+    for d in [64usize, 128] {
+        let parts = 128 / d;
+        let round_keys = 32 * parts;
+        let chunk_at = |r: usize, j: usize| r * 2 * d + 16 * (j ^ (r % 8));
+        // The (key, dim) staged at each half of the tile.
+        let mut tile = vec![None; round_keys * d];
+        for warp in 0..8 {
+            for i in 0..4 {
+                let mut banks = [vec![], vec![]];
+                for lane in 0..32 {
+                    let u = 32 * warp + lane + 256 * i;
+                    let (r, dd) = (u / (d / 4), 4 * (u % (d / 4)));
+                    let at = chunk_at(r, dd / 8) + 2 * (dd % 8);
+                    banks[lane / 16].extend([at / 4 % 32, at / 4 % 32 + 1]);
+                    for e in 0..4 {
+                        assert_eq!(tile[at / 2 + e], None, "d={d} unit {u}");
+                        tile[at / 2 + e] = Some((r, dd + e));
+                    }
+                }
+                for b in &mut banks {
+                    b.sort();
+                    b.dedup();
+                    assert_eq!(b.len(), 32, "d={d}: a half-warp's stores share banks");
+                }
+            }
+        }
+        assert!(tile.iter().all(Option::is_some), "d={d}: tile not filled");
+        // ldmatrix .x4: `addr(l)` is lane l's row address (row l % 8 of matrix l / 8); the
+        // result is lane l's four words of two (key, dim) halves.
+        let ldmatrix = |addr: &dyn Fn(usize) -> usize, trans: bool| {
+            for i in 0..4 {
+                let mut groups: Vec<usize> = (0..8).map(|r| addr(8 * i + r) / 16 % 8).collect();
+                groups.sort();
+                groups.dedup();
+                assert_eq!(
+                    groups.len(),
+                    8,
+                    "d={d}: an ldmatrix phase has a bank conflict"
+                );
+            }
+            (0..32)
+                .map(|l| {
+                    [0, 1, 2, 3].map(|i| {
+                        [0, 1].map(|e| {
+                            let (row, col) = if trans {
+                                (2 * (l % 4) + e, l / 4)
+                            } else {
+                                (l / 4, 2 * (l % 4) + e)
+                            };
+                            tile[addr(8 * i + row) / 2 + col].unwrap()
+                        })
+                    })
+                })
+                .collect::<Vec<_>>()
+        };
+        for part in 0..2 {
+            let (kp, dp) = if parts == 2 { (part, 0) } else { (0, part) };
+            // The kernel's k_row, k_chunk, v_row, v_chunk.
+            let k_row = |l: usize| kp * 32 + l % 8 + 8 * (l / 16);
+            let v_row = |l: usize| kp * 32 + l % 8 + 8 * (l / 8 % 2);
+            let v_chunk = |l: usize| 8 * dp + l / 16;
+            for kk in 0..d / 16 {
+                for jp in 0..2 {
+                    let got =
+                        ldmatrix(&|l| chunk_at(k_row(l) + 16 * jp, 2 * kk + l / 8 % 2), false);
+                    for (l, words) in got.iter().enumerate() {
+                        let (g, c) = (l / 4, l % 4);
+                        for (w, word) in words.iter().enumerate() {
+                            let (j, b) = (2 * jp + w / 2, w % 2);
+                            let want =
+                                [0, 1].map(|e| (kp * 32 + 8 * j + g, 16 * kk + 8 * b + 2 * c + e));
+                            assert_eq!(*word, want, "d={d} K kk={kk} jp={jp} lane {l} word {w}");
+                        }
+                    }
+                }
+            }
+            for ks in 0..2 {
+                for np in 0..4 {
+                    let got =
+                        ldmatrix(&|l| chunk_at(v_row(l) + 16 * ks, v_chunk(l) + 2 * np), true);
+                    for (l, words) in got.iter().enumerate() {
+                        let (g, c) = (l / 4, l % 4);
+                        for (w, word) in words.iter().enumerate() {
+                            let (n, b) = (2 * np + w / 2, w % 2);
+                            let want = [0, 1].map(|e| {
+                                (kp * 32 + 16 * ks + 8 * b + 2 * c + e, 64 * dp + 8 * n + g)
+                            });
+                            assert_eq!(*word, want, "d={d} V ks={ks} np={np} lane {l} word {w}");
+                        }
+                    }
+                }
+            }
+        }
+    }
 }
 
 fn simulate_decode(q: &[f32], k: &[f32], v: &[f32], pos: usize) -> Vec<f32> {

@@ -1,6 +1,7 @@
-//! rms_norm, argmax and gemv_f16 against their CPU twins.
+//! rms_norm, argmax and the f16 GEMV against their CPU twins.
 use half::f16;
 use orcd::cpu;
+use orcd::quant::GgmlType;
 use orcd_tests::{Rng, gpu};
 
 /// Model sizes (hidden, FFN, vocab) and odd ones that break any power-of-two assumption.
@@ -81,7 +82,9 @@ fn gemv_f16_matches_cpu() {
         let mut want = vec![0.0; rows];
         cpu::gemv_f16(&mut want, &w, &x);
         let mut y = dev.zeros::<f32>(rows).unwrap();
-        dev.gemv_f16(&mut y, &dev.upload(&w).unwrap(), &dev.upload(&x).unwrap())
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let wd = dev.upload_matrix(GgmlType::F16, &bytes, cols).unwrap();
+        dev.matmul(&mut y, &dev.upload(&x).unwrap(), &wd, None, 1)
             .unwrap();
         let got = dev.download(&y).unwrap();
         // Both sum the same f32 products in a different order: the error is bounded by

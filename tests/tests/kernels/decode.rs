@@ -13,8 +13,7 @@
 use cudarc::driver::CudaSlice;
 use half::f16;
 use orcd::cpu;
-use orcd::cuda::Device;
-use orcd::cuda::decode::Weight;
+use orcd::cuda::{Device, GpuMatrix};
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
 
@@ -77,51 +76,31 @@ fn random_weights(rng: &mut Rng, ty: GgmlType, n_rows: usize, n_in: usize) -> Ve
 /// A weight matrix on the GPU, in the file's format or in f16, and its values as the CPU
 /// twins take them.
 struct Mat {
-    data: Data,
+    data: GpuMatrix,
     w32: Vec<f32>,
     n_in: usize,
 }
 
-enum Data {
-    Raw(CudaSlice<u8>, GgmlType),
-    F16(CudaSlice<f16>),
-}
-
 impl Mat {
-    /// The bytes `bytes` of a matrix with rows of `n_in` of type `ty`: uploaded as they are,
+    /// The bytes `bytes` of a matrix with rows of `n_in` of type `ty`: uploaded in its format,
     /// or with `as_f16` dequantized to f16 (the `--weights f16` path).
     fn new(dev: &Device, ty: GgmlType, bytes: &[u8], n_in: usize, as_f16: bool) -> Mat {
-        if as_f16 {
-            let n = bytes.len() / ty.block_bytes() * ty.block_elems();
-            let mut w = vec![f16::ZERO; n];
-            quant::dequantize_f16(ty, bytes, &mut w).unwrap();
-            let w32 = w.iter().map(|v| v.to_f32()).collect();
-            Mat {
-                data: Data::F16(dev.upload(&w).unwrap()),
-                w32,
-                n_in,
-            }
+        let mut w32 = quant::dequantize_to_vec(ty, bytes).unwrap();
+        let data = if as_f16 {
+            w32.iter_mut().for_each(|v| *v = f16::from_f32(*v).to_f32());
+            dev.upload_matrix_f16(ty, bytes, n_in).unwrap()
         } else {
-            Mat {
-                data: Data::Raw(dev.upload(bytes).unwrap(), ty),
-                w32: quant::dequantize_to_vec(ty, bytes).unwrap(),
-                n_in,
-            }
-        }
+            dev.upload_matrix(ty, bytes, n_in).unwrap()
+        };
+        Mat { data, w32, n_in }
     }
 
-    fn weight(&self) -> Weight<'_> {
-        match &self.data {
-            Data::Raw(b, ty) => Weight::Raw(b, *ty),
-            Data::F16(w) => Weight::F16(w),
-        }
+    fn weight(&self) -> &GpuMatrix {
+        &self.data
     }
 
     fn name(&self) -> &'static str {
-        match &self.data {
-            Data::Raw(_, ty) => ty.name(),
-            Data::F16(_) => "f16 (dequantized)",
-        }
+        self.data.ty().name()
     }
 
     fn n_out(&self) -> usize {
@@ -360,7 +339,7 @@ fn attn_qkv_matches_cpu() {
         ([Q5_0, Q5_0, Q8_0], 896, 14, 2, 64),
         ([F16, F16, F16], 896, 14, 2, 64),
         ([Q4K, Q6K, Q5K], 1024, 8, 2, 64),
-        ([Q8_0, Q5_0, F32], 3584, 4, 1, 128),
+        ([Q8_0, Q5_0, Q4_0], 3584, 4, 1, 128),
     ];
     cases.extend(TYPES.map(|ty| ([ty, ty, ty], 256, 3, 1, 10)));
     for (tys, n_in, n_heads, n_kv, hd) in cases {
@@ -466,11 +445,11 @@ fn logits_matches_cpu() {
 }
 
 /// The arg-max's rules on logits chosen through f32 weights: with `x = e_0` and a norm of
-/// ones, `logits[r] = w[r, 0]·sqrt(8)`, so each row's first weight sets its logit.
+/// ones, `logits[r] = w[r, 0]·sqrt(32)`, so each row's first weight sets its logit.
 #[test]
 fn logits_argmax_ties_nan_and_infinities() {
     let Some(dev) = gpu() else { return };
-    let n_in = 8;
+    let n_in = 32;
     let mut x = vec![0.0f32; n_in];
     x[0] = 1.0;
     let norm = vec![1.0f32; n_in];
@@ -625,61 +604,48 @@ fn logits_on_real_output() {
 fn decode_kernels_refuse_bad_shapes() {
     let Some(dev) = gpu() else { return };
     let (n_in, n_out) = (64, 8);
-    let w = dev.zeros::<u8>(34 * 2 * n_out + 16).unwrap();
-    let q8 = Weight::Raw(&w, GgmlType::Q8_0);
+    let zeros = |ty: GgmlType, rows: usize, n_in: usize| {
+        let bytes = vec![0u8; ty.row_bytes(n_in).unwrap() * rows];
+        dev.upload_matrix(ty, &bytes, n_in).unwrap()
+    };
+    let q8 = zeros(GgmlType::Q8_0, n_out, n_in);
     let x = dev.zeros::<f32>(n_in).unwrap();
     let mut y = dev.zeros::<f32>(n_out + 1).unwrap();
     let msg = |r: orcd::Result<()>| r.unwrap_err().to_string();
-    // 9 rows of y, but w holds 8 rows of q8_0 and 16 bytes.
+    // 9 rows of y, but w holds 8 rows.
     assert_eq!(
-        msg(dev.gemv_residual(&mut y, q8, None, &x)),
+        msg(dev.gemv_residual(&mut y, &q8, None, &x)),
         "gemv_residual: shapes do not match"
     );
-    let wv = w.slice(..34 * 2 * n_out);
     let mut y = dev.zeros::<f32>(n_out).unwrap();
-    dev.gemv_residual(&mut y, Weight::Raw(&wv, GgmlType::Q8_0), None, &x)
-        .unwrap();
-    // Rows that are not whole blocks, vectors that are not whole groups of 8, weights that do
-    // not start 16-byte aligned.
-    assert_eq!(
-        msg(dev.gemv_residual(&mut y, Weight::Raw(&wv, GgmlType::Q4K), None, &x)),
-        "gemv_residual: rows of 64 are not a whole number of 256-element q4_K blocks"
-    );
+    dev.gemv_residual(&mut y, &q8, None, &x).unwrap();
+    // Vectors that are not whole chunks of 32, vectors that do not start 16-byte aligned.
+    let w60 = zeros(GgmlType::F32, n_out, 60);
     let x60 = dev.zeros::<f32>(60).unwrap();
     assert_eq!(
-        msg(dev.gemv_residual(&mut y, Weight::Raw(&wv, GgmlType::F32), None, &x60)),
-        "gemv_residual: vectors of 60 are not a whole number of groups of 8"
+        msg(dev.gemv_residual(&mut y, &w60, None, &x60)),
+        "gemv_residual: vectors of 60 are not a whole number of chunks of 32"
     );
-    let w2 = w.slice(2..2 + 34 * 2 * n_out);
+    let x1 = dev.zeros::<f32>(n_in + 1).unwrap();
     assert_eq!(
-        msg(dev.gemv_residual(&mut y, Weight::Raw(&w2, GgmlType::Q8_0), None, &x)),
-        "gemv_residual: vectors and weights must start 16-byte aligned"
+        msg(dev.gemv_residual(&mut y, &q8, None, &x1.slice(1..))),
+        "gemv_residual: vectors must start 16-byte aligned"
     );
     // Gate and up of two types; a norm of the wrong length.
-    let w16 = dev.zeros::<f16>(n_in * n_out).unwrap();
+    let w16 = zeros(GgmlType::F16, n_out, n_in);
     let norm = dev.zeros::<f32>(n_in).unwrap();
     assert_eq!(
-        msg(dev.ffn_gate_up(
-            &mut y,
-            &x,
-            &norm,
-            EPS,
-            Weight::Raw(&wv, GgmlType::Q8_0),
-            Weight::F16(&w16)
-        )),
+        msg(dev.ffn_gate_up(&mut y, &x, &norm, EPS, &q8, &w16)),
         "ffn_gate_up: gate (q8_0) and up (f16) must have one type"
     );
-    assert!(
-        dev.ffn_gate_up(&mut y, &x, &x60, EPS, Weight::F16(&w16), Weight::F16(&w16))
-            .is_err()
-    );
-    // A row too long to hold in registers.
-    let long = dev.zeros::<f32>(8200).unwrap();
-    let wl = dev.zeros::<f16>(8200).unwrap();
+    assert!(dev.ffn_gate_up(&mut y, &x, &x60, EPS, &w16, &w16).is_err());
+    // A row too long for one lane per chunk.
+    let long = dev.zeros::<f32>(32800).unwrap();
+    let wl = zeros(GgmlType::F16, 1, 32800);
     let mut one = dev.zeros::<f32>(1).unwrap();
     assert_eq!(
-        msg(dev.logits(&mut one, &long, &long, EPS, Weight::F16(&wl), None)),
-        "logits: rows of 8200 are longer than the kernel's 8192"
+        msg(dev.logits(&mut one, &long, &long, EPS, &wl, None)),
+        "logits: rows of 32800 are longer than the kernel's 32768"
     );
     // attn_qkv: an odd head_dim, caches that are not whole rows.
     let (mut q, mut kc, mut vc) = (
@@ -689,9 +655,18 @@ fn decode_kernels_refuse_bad_shapes() {
     );
     let pos = dev.zeros::<u32>(1).unwrap();
     let rope = dev.rope_table(4, 6, THETA).unwrap();
-    let wq = dev.zeros::<f16>(12 * n_in).unwrap();
-    let wkv = dev.zeros::<f16>(6 * n_in).unwrap();
-    let qkv = [Weight::F16(&wq), Weight::F16(&wkv), Weight::F16(&wkv)].map(|w| (w, None));
+    let wq = zeros(GgmlType::F16, 12, n_in);
+    let wkv = zeros(GgmlType::F16, 6, n_in);
+    // Quantized and float matrices in one call: one kernel build serves one family.
+    let wkv8 = zeros(GgmlType::Q8_0, 6, n_in);
+    let mixed = [&wq, &wkv, &wkv8].map(|w| (w, None));
+    assert_eq!(
+        msg(dev.attn_qkv(
+            &mut q, &mut kc, &mut vc, &x, &norm, EPS, mixed, &pos, &rope, 2, 1
+        )),
+        "attn_qkv: q, k and v (f16, f16, q8_0) must be all quantized or all of one float type"
+    );
+    let qkv = [&wq, &wkv, &wkv].map(|w| (w, None));
     dev.attn_qkv(
         &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, 2, 1,
     )

@@ -1,5 +1,5 @@
-//! matmul_f16 and matmul_q (GEMV and tiled GEMM), embed, silu_mul and add against their CPU
-//! twins.
+//! matmul (GEMV and tiled GEMM) of plain and quantized weights, embed, silu_mul and add
+//! against their CPU twins.
 use half::f16;
 use orcd::cpu;
 use orcd::cuda::Device;
@@ -65,20 +65,14 @@ fn matmul_err(
     worst
 }
 
-/// `matmul_f16` with the f16 weights `w` `[n_out, n_in]`.
+/// `Device::matmul` with the f16 weights `w` `[n_out, n_in]`.
 fn f16_matmul<'a>(dev: &'a Device, w: &[f16], n_in: usize, n_out: usize) -> GpuMatmul<'a> {
-    let wd = dev.upload(w).unwrap();
-    Box::new(move |x, bias, rows| {
-        let (xd, bd) = (dev.upload(x).unwrap(), bias.map(|b| dev.upload(b).unwrap()));
-        let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
-        dev.matmul_f16(&mut y, &xd, &wd, bd.as_ref(), rows, n_in, n_out)
-            .unwrap();
-        dev.download(&y).unwrap()
-    })
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    q_matmul(dev, &bytes, GgmlType::F16, n_in, n_out, 0)
 }
 
-/// `matmul_q` with the weights `w`, the file bytes of a `[n_out, n_in]` tensor of type `ty`;
-/// `x` starts `x_off` floats into its device buffer.
+/// `Device::matmul` with the weights `w`, the file bytes of a `[n_out, n_in]` tensor of type
+/// `ty`; `x` starts `x_off` floats into its device buffer.
 fn q_matmul<'a>(
     dev: &'a Device,
     w: &[u8],
@@ -87,7 +81,7 @@ fn q_matmul<'a>(
     n_out: usize,
     x_off: usize,
 ) -> GpuMatmul<'a> {
-    let wd = dev.upload(w).unwrap();
+    let wd = dev.upload_matrix(ty, w, n_in).unwrap();
     Box::new(move |x, bias, rows| {
         let mut xp = vec![0.0; x_off];
         xp.extend_from_slice(x);
@@ -96,17 +90,8 @@ fn q_matmul<'a>(
             bias.map(|b| dev.upload(b).unwrap()),
         );
         let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
-        dev.matmul_q(
-            &mut y,
-            &xd.slice(x_off..),
-            &wd,
-            ty,
-            bd.as_ref(),
-            rows,
-            n_in,
-            n_out,
-        )
-        .unwrap();
+        dev.matmul(&mut y, &xd.slice(x_off..), &wd, bd.as_ref(), rows)
+            .unwrap();
         dev.download(&y).unwrap()
     })
 }
@@ -187,68 +172,36 @@ fn matmul_f16_on_real_weights() {
 }
 
 #[test]
-fn matmul_f16_unaligned_views_and_bad_shapes() {
+fn matmul_f16_unaligned_x_and_bad_shapes() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(13);
     let (n_out, n_in) = (40, 896);
-    // Views that start `x_off` floats and `w_off` halves into their buffers: x 4-byte
-    // aligned and w 2-byte aligned (every narrow path), then x aligned and w 4-byte aligned
-    // (the GEMV's pairs of halves).
-    for (x_off, w_off) in [(1, 1), (0, 2)] {
-        let w = to_f16(&rng.vec(w_off + n_out * n_in));
-        let wd = dev.upload(&w).unwrap();
-        let wv = wd.slice(w_off..);
-        let w32: Vec<f32> = w[w_off..].iter().map(|v| v.to_f32()).collect();
-        for rows in [1, 2] {
-            let x = rng.vec(x_off + rows * n_in);
-            let xd = dev.upload(&x).unwrap();
-            let x = &x[x_off..];
-            let mut want = vec![0.0; rows * n_out];
-            cpu::matmul(&mut want, x, &w32, n_in, None);
-            let mut mag = vec![0.0; rows * n_out];
-            cpu::matmul(&mut mag, &abs(x), &abs(&w32), n_in, None);
-            let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
-            dev.matmul_f16(&mut y, &xd.slice(x_off..), &wv, None, rows, n_in, n_out)
-                .unwrap();
-            let got = dev.download(&y).unwrap();
-            let mut worst = 0.0f32;
-            for i in 0..got.len() {
-                let err = (got[i] - want[i]).abs() / mag[i].max(1e-30);
-                worst = if err.is_nan() {
-                    f32::INFINITY
-                } else {
-                    worst.max(err)
-                };
-            }
-            println!(
-                "matmul_f16 x+{x_off} w+{w_off} rows={rows}: max err / sum|x*w| = {worst:.2e}"
-            );
-            assert!(
-                worst < MATMUL_TOL,
-                "matmul_f16 x+{x_off} w+{w_off} rows={rows}: {worst}"
-            );
+    let w = to_f16(&rng.vec(n_out * n_in));
+    let w32: Vec<f32> = w.iter().map(|v| v.to_f32()).collect();
+    let bias = rng.vec(n_out);
+    // x one float into its buffer (4-byte aligned: every narrow path, the GEMM's f32 loop),
+    // then aligned.
+    for x_off in [1, 0] {
+        let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let gpu = q_matmul(&dev, &bytes, GgmlType::F16, n_in, n_out, x_off);
+        for rows in [1, 2, 70] {
+            let err = matmul_err(&mut rng, &gpu, &w32, &bias, n_in, rows);
+            println!("matmul_f16 x+{x_off} rows={rows}: max err / sum|x*w| = {err:.2e}");
+            assert!(err < MATMUL_TOL, "matmul_f16 x+{x_off} rows={rows}: {err}");
         }
     }
     // Shapes that do not fit are errors, not launches.
-    let (x, w) = (
-        dev.zeros::<f32>(n_in).unwrap(),
-        dev.zeros::<f16>(n_out * n_in).unwrap(),
-    );
+    let bytes: Vec<u8> = w.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let wd = dev.upload_matrix(GgmlType::F16, &bytes, n_in).unwrap();
+    let x = dev.zeros::<f32>(n_in).unwrap();
     let mut y = dev.zeros::<f32>(n_out).unwrap();
-    let err = dev
-        .matmul_f16(&mut y, &x, &w, None, 1, n_in + 1, n_out)
-        .unwrap_err();
-    assert_eq!(err.to_string(), "matmul_f16: shapes do not match");
+    let mut short_y = dev.zeros::<f32>(n_out - 1).unwrap();
+    let err = dev.matmul(&mut short_y, &x, &wd, None, 1).unwrap_err();
+    assert_eq!(err.to_string(), "matmul: shapes do not match");
     let short_bias = dev.upload(&[0.0f32; 3]).unwrap();
-    assert!(
-        dev.matmul_f16(&mut y, &x, &w, Some(&short_bias), 1, n_in, n_out)
-            .is_err()
-    );
+    assert!(dev.matmul(&mut y, &x, &wd, Some(&short_bias), 1).is_err());
     // Two tokens need 2·n_in of x and 2·n_out of y.
-    assert!(
-        dev.matmul_f16(&mut y, &x, &w, None, 2, n_in, n_out)
-            .is_err()
-    );
+    assert!(dev.matmul(&mut y, &x, &wd, None, 2).is_err());
 }
 
 /// Every weight type the engine reads.
@@ -333,7 +286,7 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
         for &n_in in n_ins {
             let w = random_table(ty, n_out, n_in, &mut rng);
             let w32 = quant::dequantize_to_vec(ty, &w).unwrap();
-            let wd = dev.upload(&w).unwrap();
+            let wd = dev.upload_matrix(ty, &w, n_in).unwrap();
             // The GEMM with all n_in one-hot tokens (x the identity): y = w transposed.
             let mut x = vec![0.0f32; n_in * n_in];
             for k in 0..n_in {
@@ -341,8 +294,7 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
             }
             let mut y = dev.zeros::<f32>(n_in * n_out).unwrap();
             let xd = dev.upload(&x).unwrap();
-            dev.matmul_q(&mut y, &xd, &wd, ty, None, n_in, n_in, n_out)
-                .unwrap();
+            dev.matmul(&mut y, &xd, &wd, None, n_in).unwrap();
             let got = dev.download(&y).unwrap();
             for (k, o) in (0..n_in).flat_map(|k| (0..n_out).map(move |o| (k, o))) {
                 let (g, want) = (got[k * n_out + o], w32[o * n_in + k]);
@@ -360,8 +312,7 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
             {
                 let xd = dev.upload(&x[k * n_in..(k + 1) * n_in]).unwrap();
                 let mut y = dev.zeros::<f32>(n_out).unwrap();
-                dev.matmul_q(&mut y, &xd, &wd, ty, None, 1, n_in, n_out)
-                    .unwrap();
+                dev.matmul(&mut y, &xd, &wd, None, 1).unwrap();
                 let got = dev.download(&y).unwrap();
                 for (o, g) in got.iter().enumerate() {
                     let want = w32[o * n_in + k];
@@ -451,66 +402,26 @@ fn matmul_q_unaligned_x_and_bad_input() {
             assert!(err < MATMUL_TOL, "{what}: {err}");
         }
     }
-    let ty = GgmlType::Q8_0;
-    let row_bytes = ty.row_bytes(n_in).unwrap();
-    let (x, w) = (
-        dev.zeros::<f32>(2 * n_in).unwrap(),
-        dev.zeros::<u8>(16 + n_out * row_bytes).unwrap(),
-    );
-    let wv = w.slice(..n_out * row_bytes);
-    let mut y = dev.zeros::<f32>(n_out).unwrap();
     // Rows that are not whole blocks.
-    let err = dev
-        .matmul_q(&mut y, &x, &wv, GgmlType::Q4K, None, 1, 100, n_out)
-        .unwrap_err();
+    let Err(err) = dev.upload_matrix(GgmlType::Q4K, &[0u8; 144], 100) else {
+        panic!("q4_K rows of 100 elements");
+    };
     assert_eq!(
         err.to_string(),
-        "matmul_q: rows of 100 are not a whole number of 256-element q4_K blocks"
+        "pack q4_K: 144 bytes are not whole rows of 100"
     );
-    // Weights that are not n_out rows, a bias that is not n_out long, too few rows of x or y.
-    let err = dev
-        .matmul_q(&mut y, &x, &wv, ty, None, 1, n_in, n_out + 1)
-        .unwrap_err();
-    assert_eq!(err.to_string(), "matmul_q: shapes do not match");
+    // A bias that is not n_out long, too few rows of x or y.
+    let ty = GgmlType::Q8_0;
+    let w = random_table(ty, n_out, n_in, &mut rng);
+    let wd = dev.upload_matrix(ty, &w, n_in).unwrap();
+    let x = dev.zeros::<f32>(2 * n_in).unwrap();
+    let mut y = dev.zeros::<f32>(n_out).unwrap();
     let short_bias = dev.upload(&[0.0f32; 3]).unwrap();
+    assert!(dev.matmul(&mut y, &x, &wd, Some(&short_bias), 1).is_err());
+    assert!(dev.matmul(&mut y, &x, &wd, None, 3).is_err());
     assert!(
-        dev.matmul_q(&mut y, &x, &wv, ty, Some(&short_bias), 1, n_in, n_out)
-            .is_err()
-    );
-    assert!(
-        dev.matmul_q(&mut y, &x, &wv, ty, None, 3, n_in, n_out)
-            .is_err()
-    );
-    assert!(
-        dev.matmul_q(&mut y, &x, &wv, ty, None, 2, n_in, n_out)
-            .is_err(),
+        dev.matmul(&mut y, &x, &wd, None, 2).is_err(),
         "2 tokens need 2·n_out of y"
-    );
-    // Weights that do not start 16-byte aligned: q8_0 blocks are 34 bytes.
-    let err = dev
-        .matmul_q(
-            &mut y,
-            &x,
-            &w.slice(2..2 + n_out * row_bytes),
-            ty,
-            None,
-            1,
-            n_in,
-            n_out,
-        )
-        .unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "matmul_q: the weights must start 16-byte aligned"
-    );
-    // The same for embed's table: 10 rows of one q8_0 block from byte 34 on.
-    let tokens = dev.upload(&[0u32]).unwrap();
-    let err = dev
-        .embed(&mut y, &w.slice(34..34 * 11), ty, &tokens, 1, 32)
-        .unwrap_err();
-    assert_eq!(
-        err.to_string(),
-        "embed: the table must start 16-byte aligned"
     );
 }
 
@@ -576,9 +487,9 @@ fn check_embed(
         quant::dequantize(ty, &table[t * rb..(t + 1) * rb], out).unwrap();
     }
     let mut out = dev.zeros::<f32>(tokens.len() * hidden).unwrap();
-    let (td, kd) = (dev.upload(table).unwrap(), dev.upload(tokens).unwrap());
-    dev.embed(&mut out, &td, ty, &kd, tokens.len(), hidden)
-        .unwrap();
+    let td = dev.upload_matrix(ty, table, hidden).unwrap();
+    let kd = dev.upload(tokens).unwrap();
+    dev.embed(&mut out, &td, &kd, tokens.len()).unwrap();
     let got = dev.download(&out).unwrap();
     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(
@@ -593,7 +504,7 @@ fn check_embed(
     let mut row = dev.zeros::<f32>(hidden).unwrap();
     for (t, want) in want.chunks_exact(hidden).enumerate() {
         let posd = dev.upload(&[t as u32]).unwrap();
-        dev.embed_at(&mut row, &td, ty, &kd, &posd, hidden).unwrap();
+        dev.embed_at(&mut row, &td, &kd, &posd).unwrap();
         let got = dev.download(&row).unwrap();
         assert!(
             got.iter()
@@ -651,25 +562,25 @@ fn embed_real_token_embd_on_reference_prompts() {
 #[test]
 fn embed_bad_rows_and_tokens() {
     let Some(dev) = gpu() else { return };
-    let table = dev.zeros::<u8>(144 * 4).unwrap();
-    let tokens = dev.upload(&[0u32, 3, 4, u32::MAX]).unwrap();
-    let mut out = dev.zeros::<f32>(4 * 256).unwrap();
-    // 100 elements are not whole q4_K blocks of 256.
-    let err = dev
-        .embed(&mut out, &table, GgmlType::Q4K, &tokens, 4, 100)
-        .unwrap_err();
+    // 100 elements are not whole q4_K blocks of 256; 575 bytes are not whole rows.
+    let Err(err) = dev.upload_matrix(GgmlType::Q4K, &[0u8; 144 * 4], 100) else {
+        panic!("q4_K rows of 100 elements");
+    };
     assert_eq!(
         err.to_string(),
-        "embed: rows of 100 are not a whole number of 256-element q4_K blocks"
+        "pack q4_K: 576 bytes are not whole rows of 100"
     );
-    // A table that is not whole rows.
     assert!(
-        dev.embed(&mut out, &table.slice(1..), GgmlType::Q4K, &tokens, 4, 256)
+        dev.upload_matrix(GgmlType::Q4K, &[0u8; 144 * 4 - 1], 256)
             .is_err()
     );
     // Ids beyond the table's 4 rows give NaN rows; the valid ones zeros (an all-zero block).
-    dev.embed(&mut out, &table, GgmlType::Q4K, &tokens, 4, 256)
+    let table = dev
+        .upload_matrix(GgmlType::Q4K, &[0u8; 144 * 4], 256)
         .unwrap();
+    let tokens = dev.upload(&[0u32, 3, 4, u32::MAX]).unwrap();
+    let mut out = dev.zeros::<f32>(4 * 256).unwrap();
+    dev.embed(&mut out, &table, &tokens, 4).unwrap();
     let got = dev.download(&out).unwrap();
     assert!(
         got[..512].iter().all(|v| *v == 0.0),
@@ -844,6 +755,46 @@ fn matmul_q_prefill_on_real_weights() {
     });
 }
 
+/// The tensor-core GEMM at every count of K steps around its handover of steps between its
+/// producer teams (up to 3, 2 shared slots each): 1 to 7 steps of 32 (n_in 8 and 40 end in a
+/// part-step, whose x is zeros past n_in), then 65, for f16 and q8_0 weights, with tiles cut
+/// short in tokens and outputs (1, 63, 65, 130 outputs; 2, 65, 130 tokens), against
+/// `cpu::matmul` within the split's bound.
+#[test]
+fn matmul_tensor_core_step_counts_and_ragged_tiles() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(25);
+    for (ty, n_ins) in [
+        (
+            GgmlType::F16,
+            &[8, 32, 40, 64, 96, 128, 160, 192, 224, 2080][..],
+        ),
+        (GgmlType::Q8_0, &[32, 64, 96, 128, 160, 192, 224, 2080][..]),
+    ] {
+        for &n_in in n_ins {
+            for n_out in [1, 63, 65, 130] {
+                let w = random_table(ty, n_out, n_in, &mut rng);
+                let w32 = quant::dequantize_to_vec(ty, &w).unwrap();
+                let bias = rng.vec(n_out);
+                let cols: Vec<usize> = (0..n_out).collect();
+                let gpu = q_matmul(&dev, &w, ty, n_in, n_out, 0);
+                for rows in [2, 65, 130] {
+                    let x = rng.vec(rows * n_in);
+                    let y = gpu(&x, Some(&bias), rows);
+                    let (err, of_bound) =
+                        mma_err(|t, o| y[t * n_out + o], &x, &w32, &bias, n_in, &cols);
+                    let what = format!("matmul {} rows={rows} {n_out}x{n_in}", ty.name());
+                    assert!(
+                        of_bound <= 1.0,
+                        "{what}: {err:.2e} ({of_bound:.2} of the bound)"
+                    );
+                }
+            }
+            println!("matmul {} n_in={n_in}: within the bound", ty.name());
+        }
+    }
+}
+
 /// Activations far from 1: large ones (|x| up to 1e3, as after some of the model's layers),
 /// tiny ones (1e-6: `hi` is then an f16 subnormal, and `lo`, scaled by 2^11, carries the
 /// rest), rows of each kind side by side, and values beyond f16's range (65504), which send
@@ -921,7 +872,6 @@ mod emulation {
     const LO_SCALE: f32 = 2048.0;
     const TILE_BYTES: usize = 64 * 64;
     const STAGE_BYTES: usize = 4 * TILE_BYTES;
-    const OUT_STRIDE: usize = TILE + 8;
 
     /// How an emulated `mma.sync` rounds `c + sum of 16 exact products` to f32.
     #[derive(Clone, Copy, Debug)]
@@ -1030,6 +980,9 @@ mod emulation {
     /// `y = x·wᵀ + bias` (`rows × n_out`) by `gemm_mma`'s algorithm on the weights `w` as
     /// `load8` gives them (f32; `w_f16`: f16 values, stored without `lo`), and whether some
     /// tile voted non-finite (the kernel then redoes it in f32; here it stays as computed).
+    /// The ring of slots and the producers' order do not change what a step's slot holds, so
+    /// each step is staged into one slot here, by the 128 threads of a producer team, and then
+    /// multiplied by the 4 consumer warps.
     #[allow(clippy::too_many_arguments)]
     pub fn gemm_mma(
         x: &[f32],
@@ -1046,42 +999,43 @@ mod emulation {
         for (row0, col0) in (0..rows.div_ceil(TILE))
             .flat_map(|rt| (0..n_out.div_ceil(TILE)).map(move |ct| (TILE * rt, TILE * ct)))
         {
-            let mut smem = vec![0u8; 2 * STAGE_BYTES];
+            let mut slot = vec![0u8; STAGE_BYTES];
             let zero: Sums = [[[[0.0; 4]; 32]; 4]; 2];
-            let (mut main, mut cross) = (vec![zero; 8], vec![zero; 8]);
+            let (mut main, mut cross) = (vec![zero; 4], vec![zero; 4]);
             for s in 0..n_in.div_ceil(STEP) {
-                let (stage, k0) = ((s % 2) * STAGE_BYTES, s * STEP);
-                // The 256 staging threads.
-                for t in 0..256 {
-                    for p in 0..2 {
-                        let r = (row0 + t / 8 + 32 * p).min(rows - 1);
+                let k0 = s * STEP;
+                // The 128 threads of a producer team. Past n_in, x is zeros and w the row's
+                // last 8 weights again (their products vanish).
+                for t in 0..128 {
+                    for p in 0..4 {
+                        let r = (row0 + t / 8 + 16 * p).min(rows - 1);
                         let (k, kl) = (k0 + 4 * (t % 8), 4 * (t % 8));
-                        let at = stage + chunk_at(t / 8 + 32 * p, kl / 8) + 2 * (kl % 8);
+                        let at = chunk_at(t / 8 + 16 * p, kl / 8) + 2 * (kl % 8);
                         for j in 0..4 {
                             let v = if k < n_in { x[r * n_in + k + j] } else { 0.0 };
                             let (hi, lo) = split(v);
-                            put(&mut smem, at + 2 * j, hi);
-                            put(&mut smem, at + TILE_BYTES + 2 * j, lo);
+                            put(&mut slot, at + 2 * j, hi);
+                            put(&mut slot, at + TILE_BYTES + 2 * j, lo);
                         }
                     }
-                    let n = (col0 + t / 4).min(n_out - 1);
-                    let k = k0 + 8 * (t % 4);
-                    let at = stage + 2 * TILE_BYTES + chunk_at(t / 4, t % 4);
-                    for j in 0..8 {
-                        let v = if k < n_in { w[n * n_in + k + j] } else { 0.0 };
-                        let (hi, lo) = split(v);
-                        put(&mut smem, at + 2 * j, hi);
-                        if !w_f16 {
-                            put(&mut smem, at + TILE_BYTES + 2 * j, lo);
+                    for p in 0..2 {
+                        let n = (col0 + t / 4 + 32 * p).min(n_out - 1);
+                        let k = (k0 + 8 * (t % 4)).min(n_in - 8);
+                        let at = 2 * TILE_BYTES + chunk_at(t / 4 + 32 * p, t % 4);
+                        for j in 0..8 {
+                            let (hi, lo) = split(w[n * n_in + k + j]);
+                            put(&mut slot, at + 2 * j, hi);
+                            if !w_f16 {
+                                put(&mut slot, at + TILE_BYTES + 2 * j, lo);
+                            }
                         }
                     }
                 }
-                // The 8 warps' products.
-                for warp in 0..8 {
-                    let (half, quarter) = (warp / 4, warp % 4);
-                    let (qm, qn) = (32 * (quarter / 2), 32 * (quarter % 2));
+                // The 4 consumer warps' products, over both k16 halves of the step.
+                for (warp, half) in (0..4).flat_map(|warp| (0..2).map(move |h| (warp, h))) {
+                    let (qm, qn) = (32 * (warp / 2), 32 * (warp % 2));
                     let frags = |tile: usize, at: &dyn Fn(usize) -> usize| {
-                        ldmatrix4(&smem, array::from_fn(|l| stage + tile * TILE_BYTES + at(l)))
+                        ldmatrix4(&slot, array::from_fn(|l| tile * TILE_BYTES + at(l)))
                     };
                     let x_at = |i: usize| {
                         move |l: usize| chunk_at(qm + 16 * i + l % 16, 2 * half + l / 16)
@@ -1128,11 +1082,9 @@ mod emulation {
                     }
                 }
             }
-            // Warps 4-7 store their sums, warps 0-3 add theirs.
-            let mut out = vec![0.0f32; TILE * OUT_STRIDE];
-            for warp in (4..8).chain(0..4) {
-                let (half, quarter) = (warp / 4, warp % 4);
-                let (qm, qn) = (32 * (quarter / 2), 32 * (quarter % 2));
+            // The consumer writes its fragments out.
+            for warp in 0..4 {
+                let (qm, qn) = (32 * (warp / 2), 32 * (warp % 2));
                 for (l, i, j, e) in (0..32).flat_map(|l| {
                     (0..2).flat_map(move |i| {
                         (0..4).flat_map(move |j| (0..4).map(move |e| (l, i, j, e)))
@@ -1140,19 +1092,13 @@ mod emulation {
                 }) {
                     let v = cross[warp][i][j][l][e].mul_add(1.0 / LO_SCALE, main[warp][i][j][l][e]);
                     fallback |= !v.is_finite();
-                    let r = qm + 16 * i + l / 4 + 8 * (e / 2);
-                    let at = r * OUT_STRIDE + qn + 8 * j + 2 * (l % 4) + e % 2;
-                    if half == 1 {
-                        out[at] = v;
-                    } else {
-                        out[at] += v;
+                    let (r, c) = (
+                        row0 + qm + 16 * i + l / 4 + 8 * (e / 2),
+                        col0 + qn + 8 * j + 2 * (l % 4) + e % 2,
+                    );
+                    if r < rows && c < n_out {
+                        y[r * n_out + c] = v + bias[c];
                     }
-                }
-            }
-            for (r, c) in (0..TILE).flat_map(|r| (0..TILE).map(move |c| (r, c))) {
-                let (row, col) = (row0 + r, col0 + c);
-                if row < rows && col < n_out {
-                    y[row * n_out + col] = out[r * OUT_STRIDE + c] + bias[col];
                 }
             }
         }
@@ -1234,6 +1180,111 @@ fn mma_tile_emulation_matches_cpu() {
                 "emulated mma {} {rounding:?}: {err}",
                 t.name
             );
+        }
+    }
+}
+
+/// The tensor-core GEMM's handover of K steps between its producer teams and its consumer
+/// (`gemm_mma`, gpu-kernels/src/matmul.rs), as a model: team `p` of `T` stages steps
+/// `p, p + T, ...` into its own 2 slots in turn, each slot with a FULL and an EMPTY named
+/// barrier that completes when both sides (the team's 128 threads and the consumer's 128) have
+/// come, `bar.arrive` marking the arrival and `bar.sync` also waiting for completion. The team
+/// waits on EMPTY from its third step on and arrives on FULL; the consumer waits on FULL, reads
+/// the step and arrives on EMPTY only when the team will wait for it (step + 2T < steps). Run
+/// under random interleavings for 1 to 3 teams and 1 to 13 steps: nothing may deadlock, the
+/// consumer must read every step in order from its slot, no slot may be overwritten before it
+/// was read, and every barrier must end complete (a kernel must not exit with threads counted
+/// on a barrier). Runs on the CPU.
+#[test]
+fn mma_slot_handover_never_deadlocks_or_races() {
+    const TEAM_SLOTS: usize = 2;
+    #[derive(Clone, Copy)]
+    enum Op {
+        Arrive(usize),
+        Sync(usize),
+        Write(usize, usize),
+        Read(usize, usize),
+    }
+    let mut rng = Rng::new(24);
+    for teams in 1..=3 {
+        let slots = TEAM_SLOTS * teams;
+        let slot = |s: usize| TEAM_SLOTS * (s % teams) + s / teams % TEAM_SLOTS;
+        // Barrier ids: FULL then EMPTY of each slot.
+        let (full, empty) = (|s: usize| slot(s), |s: usize| slots + slot(s));
+        for steps in 1..=13 {
+            // Each side's program, as the kernel runs it.
+            let mut programs = vec![];
+            let mut consumer = vec![];
+            for s in 0..steps {
+                consumer.push(Op::Sync(full(s)));
+                consumer.push(Op::Read(slot(s), s));
+                if s + slots < steps {
+                    consumer.push(Op::Arrive(empty(s)));
+                }
+            }
+            programs.push(consumer);
+            for p in 0..teams {
+                let mut team = vec![];
+                for (j, s) in (p..steps).step_by(teams).enumerate() {
+                    if j >= TEAM_SLOTS {
+                        team.push(Op::Sync(empty(s)));
+                    }
+                    team.push(Op::Write(slot(s), s));
+                    team.push(Op::Arrive(full(s)));
+                }
+                programs.push(team);
+            }
+            for _ in 0..50 {
+                // Per barrier: the sides counted in the current generation, and the
+                // generations completed. Per side: next op, and the generation it waits for.
+                let (mut count, mut done) = (vec![0; 2 * slots], vec![0; 2 * slots]);
+                let mut at = vec![0; programs.len()];
+                let mut waits: Vec<Option<(usize, usize)>> = vec![None; programs.len()];
+                // Per slot: the step it holds and whether it was read.
+                let mut held: Vec<(Option<usize>, bool)> = vec![(None, true); slots];
+                loop {
+                    let runnable: Vec<usize> = (0..programs.len())
+                        .filter(|&u| at[u] < programs[u].len())
+                        .filter(|&u| waits[u].is_none_or(|(b, g)| done[b] > g))
+                        .collect();
+                    if runnable.is_empty() {
+                        break;
+                    }
+                    let pick = (rng.next_f32() + 1.0) / 2.0 * runnable.len() as f32;
+                    let u = runnable[pick as usize % runnable.len()];
+                    if waits[u].take().is_some() {
+                        at[u] += 1;
+                        continue;
+                    }
+                    match programs[u][at[u]] {
+                        Op::Arrive(b) | Op::Sync(b) => {
+                            let generation = done[b];
+                            count[b] += 1;
+                            if count[b] == 2 {
+                                (count[b], done[b]) = (0, done[b] + 1);
+                            }
+                            if matches!(programs[u][at[u]], Op::Sync(_)) {
+                                waits[u] = Some((b, generation));
+                                continue;
+                            }
+                        }
+                        Op::Write(k, s) => {
+                            assert!(held[k].1, "T={teams} steps={steps}: slot {k} overwritten");
+                            held[k] = (Some(s), false);
+                        }
+                        Op::Read(k, s) => {
+                            assert_eq!(held[k].0, Some(s), "T={teams} steps={steps}: slot {k}");
+                            held[k].1 = true;
+                        }
+                    }
+                    at[u] += 1;
+                }
+                assert!(
+                    (0..programs.len()).all(|u| at[u] == programs[u].len()),
+                    "T={teams} steps={steps}: deadlock at {at:?}"
+                );
+                assert!(count.iter().all(|&c| c == 0), "T={teams} steps={steps}");
+            }
         }
     }
 }
