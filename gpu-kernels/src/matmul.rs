@@ -292,7 +292,7 @@ impl Held {
 /// past `n_chunks` count zeros. The first round's chunks (weights: no kernel writes them) are
 /// loaded before the wait for the kernel before this one (`wait_for_inputs`) and before `held`
 /// runs (which may wait on a barrier), and each next round's before this round's are
-/// multiplied; `held` and `rows` may read what earlier kernels wrote. The block
+/// multiplied; `held` may read what earlier kernels wrote, `rows` only index math. The block
 /// runs rounds of `blockDim / 32 / split` units, block `block` of `blocks` striding over them.
 /// `out(unit, sums, t)` runs on one thread per unit with the 2 dot products and `held`'s `t`.
 /// Every thread of the block must call it (with `split > 1` the meetings sync the block).

@@ -221,10 +221,11 @@ impl Device {
         l.arg(&q_blocks).arg(&kv_blocks).arg(&split);
         // SAFETY: the parameters are the kernel's (f32*, f32*, f32*, const f32*, const f32*,
         // f32, then (const u8*, u32, const f32* or null) for q, k, v, const u32*, const f32*,
-        // then 8 u32). Every size was checked above: the weights are whole rows of n_in of
-        // their type, 16-byte aligned as x and norm; q holds n_heads·head_dim; the kernel
-        // writes cache row pos[0] and reads table row pos[0] only below max_pos, else traps.
-        // Blocks are whole units of `split` warps, shared 3 f32 per warp.
+        // then 8 u32). Every size was checked above: the weights are GpuMatrix rows of n_in
+        // (whole chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q holds
+        // n_heads·head_dim; the kernel writes cache row pos[0] and reads table row pos[0] only
+        // below max_pos, else traps. Blocks are whole units of `split` warps, shared as
+        // `shared_of` (the norm's 32 f32, 2 f32 per warp).
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
@@ -280,9 +281,9 @@ impl Device {
             .arg(&ty);
         l.arg(&n_in).arg(&n_out32).arg(&split);
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, const u8*, u32, u32,
-        // u32, u32). Gate and up are n_out whole rows of n_in of their type, 16-byte aligned
-        // as x and norm; h holds n_out; n_in fits one step of `split` warps (`split_of`);
-        // blocks are whole units of `split` warps, at most 8, shared 32 f32.
+        // u32, u32). Gate and up are GpuMatrix rows of n_in of one type; x and norm 16-byte
+        // aligned; h holds n_out; n_in is whole chunks, one per lane of `split` warps
+        // (`split_of`); blocks are whole units of `split` warps, shared as `shared_of`.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
@@ -324,8 +325,9 @@ impl Device {
         l.arg(&yp).arg(&vp).arg(&wp).arg(&ty).arg(&bp);
         l.arg(&n_in).arg(&n_out32).arg(&split);
         // SAFETY: parameters (f32*, const f32*, const u8*, u32, const f32* or null, u32, u32,
-        // u32). w is n_out whole rows of n_in of its type, 16-byte aligned as v; y and bias
-        // hold n_out; blocks are whole units of `split` warps, shared 1 f32 per warp.
+        // u32). w is n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split`
+        // warps), v 16-byte aligned; y and bias hold n_out; blocks are whole units of `split`
+        // warps, shared as `shared_of`.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
@@ -381,10 +383,10 @@ impl Device {
         l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
         l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,
-        // u32* or null, u64* or null). w is n_out whole rows of n_in of its type, 16-byte
-        // aligned as x and norm; logits holds n_out; n_in fits one step of `split` warps;
-        // out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); blocks are
-        // whole units of `split` warps, at most 8, shared 32 f32.
+        // u32* or null, u64* or null). w is n_out GpuMatrix rows of n_in (whole chunks, one
+        // per lane of `split` warps), x and norm 16-byte aligned; logits holds n_out; out
+        // holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); blocks are whole
+        // units of `split` warps, shared as `shared_of`.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
