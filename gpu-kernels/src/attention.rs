@@ -14,8 +14,9 @@ use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    WARP, block, block_dim, exp, f16_to_f32, grid_dim, release_next, shared, sync_threads, thread,
-    wait_for_inputs, warp_max, warp_sum,
+    LO_SCALE, WARP, block, block_dim, exp, fma, grid_dim, ldmatrix4, mma, release_next, shared,
+    shared_addr, split_pair, store_shared2, sync_threads, thread, wait_for_inputs, warp_max,
+    warp_sum,
 };
 
 /// Threads of a block of either attention kernel: 8 warps.
@@ -26,11 +27,7 @@ const TILE_KEYS: u32 = 32;
 const MAX_SPLITS: u32 = 64;
 /// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
 const PREFILL_ROWS: u32 = 64;
-/// The tensor-core products split each f32 operand in two f16 halves, `v ≈ hi + lo / LO_SCALE`
-/// with `hi = f16(v)` and `lo = f16((v - hi)·LO_SCALE)` (as matmul.rs's `gemm_mma`): scaled so
-/// that `lo` is a normal f16 wherever `hi` is. `hi + lo / LO_SCALE` is `v` to 2^-22 of it while
-/// `|v| >= 2^-14`, and to 2^-36 absolute below.
-const LO_SCALE: f32 = 2048.0;
+
 
 /// `for $i in 0..$n { $body }` written out, so that every index into an array is a constant and
 /// the array stays in registers (LLVM does not fully unroll loops whose bodies hold many `mma`s
@@ -72,11 +69,6 @@ struct F32x4([f32; 4]);
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
 struct F32x2([f32; 2]);
-
-#[inline(always)]
-fn fma(a: f32, b: f32, c: f32) -> f32 {
-    core::intrinsics::fmaf32(a, b, c)
-}
 
 #[inline(always)]
 fn aligned16<T>(p: *const T) -> bool {
@@ -595,61 +587,6 @@ pub unsafe extern "gpu-kernel" fn attention_prefill(
     }
 }
 
-/// The shared-window address of `p`, which points into shared memory.
-#[inline(always)]
-fn shared_addr<T>(p: *const T) -> u32 {
-    let a: u64;
-    unsafe {
-        asm!("cvta.to.shared.u64 {0}, {1};", out(reg64) a, in(reg64) p as u64,
-            options(pure, nomem, nostack))
-    };
-    a as u32
-}
-
-#[inline(always)]
-fn store_shared2(at: u32, v: [u32; 2]) {
-    unsafe {
-        asm!("st.shared.v2.b32 [{0}], {{{1}, {2}}};", in(reg32) at, in(reg32) v[0],
-            in(reg32) v[1], options(nostack))
-    };
-}
-
-/// Four 8×8 matrices of halves from shared memory (`ldmatrix .x4`): lane `l` gives the address
-/// of row `l % 8` of matrix `l / 8` (16 bytes) and gets, in word `i`, the halves at row `l / 4`,
-/// columns `2·(l % 4)` and `+1` of matrix `i`, or with `TRANS` at column `l / 4`, rows
-/// `2·(l % 4)` and `+1` (the lower index in the low half).
-#[inline(always)]
-fn ldmatrix4<const TRANS: bool>(at: u32) -> [u32; 4] {
-    let (r0, r1, r2, r3);
-    unsafe {
-        if TRANS {
-            asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
-                out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
-                options(readonly, nostack));
-        } else {
-            asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
-                out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
-                options(readonly, nostack));
-        }
-    }
-    [r0, r1, r2, r3]
-}
-
-/// `d += a·b` for one 16×8 tile over k = 16 (`mma.sync` m16n8k16, f16 products exact, f32
-/// sums). With `g = lane / 4`, `c = lane % 4`: `a` holds rows `g`, `g + 8`, `g`, `g + 8` at
-/// k `2c, 2c + 1` (+8 in words 2, 3); `b` k `2c, 2c + 1` (+8 in word 1) of column `g`; `d`
-/// rows `g` (0, 1) and `g + 8` (2, 3) at columns `2c, 2c + 1`.
-#[inline(always)]
-fn mma(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
-    unsafe {
-        asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{0}, {1}, {2}, {3}}}, \
-              {{{4}, {5}, {6}, {7}}}, {{{8}, {9}}}, {{{0}, {1}, {2}, {3}}};",
-            inout(reg32) d[0], inout(reg32) d[1], inout(reg32) d[2], inout(reg32) d[3],
-            in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3],
-            in(reg32) b[0], in(reg32) b[1], options(pure, nomem, nostack))
-    };
-}
-
 /// The three products of one split tile: `main += a_hi·b_hi`, `cross += a_lo·b_hi + a_hi·b_lo`.
 #[inline(always)]
 fn mma3(main: &mut [f32; 4], cross: &mut [f32; 4], a: &([u32; 4], [u32; 4]), b: [[u32; 2]; 2]) {
@@ -658,26 +595,10 @@ fn mma3(main: &mut [f32; 4], cross: &mut [f32; 4], a: &([u32; 4], [u32; 4]), b: 
     mma(cross, a.0, b[1]);
 }
 
-/// `a, b` as split halves: (`f16(a) | f16(b) << 16`, the same of the scaled remainders).
-#[inline(always)]
-fn split2(a: f32, b: f32) -> (u32, u32) {
-    let f16x2 = |lo: f32, hi: f32| -> u32 {
-        let r: u32;
-        unsafe {
-            asm!("cvt.rn.f16x2.f32 {0}, {1}, {2};", out(reg32) r, in(reg32) hi, in(reg32) lo,
-                options(pure, nomem, nostack))
-        };
-        r
-    };
-    let hi = f16x2(a, b);
-    let (ha, hb) = (f16_to_f32(hi as u16), f16_to_f32((hi >> 16) as u16));
-    (hi, f16x2((a - ha) * LO_SCALE, (b - hb) * LO_SCALE))
-}
-
 /// An A fragment (see [`mma`]) of four float pairs, split: (hi words, lo words).
 #[inline(always)]
 fn split_a(v: [[f32; 2]; 4]) -> ([u32; 4], [u32; 4]) {
-    let s = v.map(|[a, b]| split2(a, b));
+    let s = v.map(|[a, b]| split_pair(a, b));
     (s.map(|s| s.0), s.map(|s| s.1))
 }
 
@@ -774,8 +695,8 @@ unsafe fn prefill<const D: usize, const VEC: bool>(
     let base = shared_addr(shared::<F32x4>());
     // 4 floats as split halves at `at` (hi) and `at + tile_bytes` (lo).
     let store4 = |at: u32, x: [f32; 4]| {
-        let (h0, l0) = split2(x[0], x[1]);
-        let (h1, l1) = split2(x[2], x[3]);
+        let (h0, l0) = split_pair(x[0], x[1]);
+        let (h1, l1) = split_pair(x[2], x[3]);
         store_shared2(at, [h0, h1]);
         store_shared2(at + tile_bytes, [l0, l1]);
     };

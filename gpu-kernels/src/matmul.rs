@@ -12,8 +12,9 @@ use core::arch::asm;
 
 use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0};
 use crate::util::{
-    WARP, block, block_dim, f16_to_f32, grid_dim, release_next, shared, sync_threads, thread,
-    wait_for_inputs, warp_sum,
+    LO_SCALE, WARP, block, block_dim, fma, grid_dim, ldmatrix4, mma, release_next, shared,
+    shared_addr, split, store_shared2, store_shared4, sync_threads, thread, wait_for_inputs,
+    warp_sum,
 };
 
 /// 16 bytes, for one vector load of 4 floats.
@@ -25,11 +26,6 @@ struct F32x4([f32; 4]);
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
 pub(crate) struct Align16<T>(T);
-
-#[inline(always)]
-pub(crate) fn fma(a: f32, b: f32, c: f32) -> f32 {
-    core::intrinsics::fmaf32(a, b, c)
-}
 
 #[inline(always)]
 pub(crate) fn aligned<T>(p: *const T, bytes: usize) -> bool {
@@ -658,10 +654,6 @@ unsafe fn gemm_vec<W: Weights, const VEC: bool>(y: *mut f32, bias: *const f32, t
     }
 }
 
-/// The tensor-core GEMM's operands are split in two f16 halves, `v ≈ hi + lo / LO_SCALE` with
-/// `hi = f16(v)` and `lo = f16((v - hi)·LO_SCALE)`: scaled so that `lo` is a normal f16
-/// wherever `hi` is (|v - hi| <= 2^-11·|hi|, so |lo| <= |hi| never overflows either).
-const LO_SCALE: f32 = 2048.0;
 /// Bytes of one 64-row tile of a K step in shared memory: 64 rows of 32 halves.
 const MMA_TILE_BYTES: u32 = (TILE_M * TILE_K * 2) as u32;
 /// One K step of 32 in shared memory: the tiles x hi, x lo, w hi, w lo, in that order.
@@ -690,86 +682,6 @@ fn opaque(v: u32) -> u32 {
     let r: u32;
     unsafe { asm!("mov.b32 {0}, {1};", out(reg32) r, in(reg32) v, options(pure, nomem, nostack)) };
     r
-}
-
-/// The shared-window address of `p`, which points into shared memory.
-#[inline(always)]
-fn shared_addr<T>(p: *const T) -> u32 {
-    let a: u64;
-    unsafe {
-        asm!("cvta.to.shared.u64 {0}, {1};", out(reg64) a, in(reg64) p as u64,
-            options(pure, nomem, nostack))
-    };
-    a as u32
-}
-
-#[inline(always)]
-fn store_shared2(at: u32, v: [u32; 2]) {
-    unsafe {
-        asm!("st.shared.v2.b32 [{0}], {{{1}, {2}}};", in(reg32) at, in(reg32) v[0],
-            in(reg32) v[1], options(nostack))
-    };
-}
-
-#[inline(always)]
-fn store_shared4(at: u32, v: [u32; 4]) {
-    unsafe {
-        asm!("st.shared.v4.b32 [{0}], {{{1}, {2}, {3}, {4}}};", in(reg32) at, in(reg32) v[0],
-            in(reg32) v[1], in(reg32) v[2], in(reg32) v[3], options(nostack))
-    };
-}
-
-/// Four 8×8 matrices of halves from shared memory (`ldmatrix .x4`): lane `l` gives the address
-/// of row `l % 8` of matrix `l / 8` (16 bytes) and gets, in word `i`, the halves at row `l / 4`,
-/// columns `2·(l % 4)` and `+1` of matrix `i` (the lower column in the low half).
-#[inline(always)]
-fn ldmatrix4(at: u32) -> [u32; 4] {
-    let r: [u32; 4];
-    unsafe {
-        let (r0, r1, r2, r3);
-        asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
-            out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
-            options(readonly, nostack));
-        r = [r0, r1, r2, r3];
-    }
-    r
-}
-
-/// `d += a·b` for one 16×8 tile over k = 16 (`mma.sync` m16n8k16, f16 products exact, f32
-/// sums). With `g = lane / 4`, `c = lane % 4`: `a` holds rows `g`, `g + 8`, `g`, `g + 8` at
-/// k `2c, 2c + 1` (+8 in words 2, 3); `b` k `2c, 2c + 1` (+8 in word 1) of column `g`; `d`
-/// rows `g` (0, 1) and `g + 8` (2, 3) at columns `2c, 2c + 1`.
-#[inline(always)]
-fn mma(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
-    unsafe {
-        asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{0}, {1}, {2}, {3}}}, \
-              {{{4}, {5}, {6}, {7}}}, {{{8}, {9}}}, {{{0}, {1}, {2}, {3}}};",
-            inout(reg32) d[0], inout(reg32) d[1], inout(reg32) d[2], inout(reg32) d[3],
-            in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3],
-            in(reg32) b[0], in(reg32) b[1], options(pure, nomem, nostack))
-    };
-}
-
-/// `f16(lo) | f16(hi) << 16`, each rounded to nearest.
-#[inline(always)]
-fn f16x2(lo: f32, hi: f32) -> u32 {
-    let r: u32;
-    unsafe {
-        asm!("cvt.rn.f16x2.f32 {0}, {1}, {2};", out(reg32) r, in(reg32) hi, in(reg32) lo,
-            options(pure, nomem, nostack))
-    };
-    r
-}
-
-/// Floats `v[2i]`, `v[2i + 1]` split into pairs of halves: (hi words, lo words).
-#[inline(always)]
-fn split<const N: usize, const W: usize>(v: &[f32; N]) -> ([u32; W], [u32; W]) {
-    let hi: [u32; W] = core::array::from_fn(|i| f16x2(v[2 * i], v[2 * i + 1]));
-    let lo = core::array::from_fn(|i| {
-        let (h0, h1) = (f16_to_f32(hi[i] as u16), f16_to_f32((hi[i] >> 16) as u16));
-        f16x2((v[2 * i] - h0) * LO_SCALE, (v[2 * i + 1] - h1) * LO_SCALE)
-    });
-    (hi, lo)
 }
 
 impl Staged {
@@ -897,7 +809,7 @@ unsafe fn mma_consume<W: Weights>(
             // The k16 half's chunks.
             let half = 32 * h;
             let frags = |tile: u32, at: [u32; 2]| {
-                at.map(|at| ldmatrix4(step + tile * MMA_TILE_BYTES + (at ^ half)))
+                at.map(|at| ldmatrix4::<false>(step + tile * MMA_TILE_BYTES + (at ^ half)))
             };
             let (x_hi, x_lo, w_hi) = (frags(0, x_at), frags(1, x_at), frags(2, w_at));
             for i in 0..2 {

@@ -11,8 +11,8 @@
 //! contracted into an FMA); the GEMV's `dot` factors the scales out of each half-chunk's sum.
 use core::marker::PhantomData;
 
-use crate::matmul::{Held, Weights, fma, with_weights};
-use crate::util::{block, block_dim, f16_to_f32, release_next, thread, wait_for_inputs};
+use crate::matmul::{Held, Weights, with_weights};
+use crate::util::{block, block_dim, f16_to_f32, fma, release_next, thread, wait_for_inputs};
 
 /// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
 pub mod id {

@@ -1,5 +1,5 @@
 //! Thread indices and warp/block reductions shared by the kernel families.
-use core::arch::nvptx;
+use core::arch::{asm, nvptx};
 
 pub const WARP: u32 = 32;
 const FULL_MASK: u32 = 0xffff_ffff;
@@ -157,3 +157,105 @@ pub fn release_next() {
         core::arch::asm!("griddepcontrol.launch_dependents;", options(nostack))
     };
 }
+
+#[inline(always)]
+pub fn fma(a: f32, b: f32, c: f32) -> f32 {
+    core::intrinsics::fmaf32(a, b, c)
+}
+
+/// The tensor-core products (`gemm_mma`, `attention_prefill`) split each f32 operand in two f16
+/// halves, `v ≈ hi + lo / LO_SCALE` with `hi = f16(v)` and `lo = f16((v - hi)·LO_SCALE)`: scaled
+/// so that `lo` is a normal f16 wherever `hi` is (|v - hi| <= 2^-11·|hi|, so |lo| <= |hi| never
+/// overflows either). `hi + lo / LO_SCALE` is `v` to 2^-22 of it while `|v| >= 2^-14`, and to
+/// 2^-36 absolute below.
+pub const LO_SCALE: f32 = 2048.0;
+
+/// `f16(lo) | f16(hi) << 16`, each rounded to nearest.
+#[inline(always)]
+pub fn f16x2(lo: f32, hi: f32) -> u32 {
+    let r: u32;
+    unsafe {
+        asm!("cvt.rn.f16x2.f32 {0}, {1}, {2};", out(reg32) r, in(reg32) hi, in(reg32) lo,
+            options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// `a, b` split as at [`LO_SCALE`]: (`f16(a) | f16(b) << 16`, the same of the scaled remainders).
+#[inline(always)]
+pub fn split_pair(a: f32, b: f32) -> (u32, u32) {
+    let hi = f16x2(a, b);
+    let (ha, hb) = (f16_to_f32(hi as u16), f16_to_f32((hi >> 16) as u16));
+    (hi, f16x2((a - ha) * LO_SCALE, (b - hb) * LO_SCALE))
+}
+
+/// Floats `v[2i]`, `v[2i + 1]` split into pairs of halves: (hi words, lo words).
+#[inline(always)]
+pub fn split<const N: usize, const W: usize>(v: &[f32; N]) -> ([u32; W], [u32; W]) {
+    let s: [(u32, u32); W] = core::array::from_fn(|i| split_pair(v[2 * i], v[2 * i + 1]));
+    (s.map(|s| s.0), s.map(|s| s.1))
+}
+
+/// The shared-window address of `p`, which points into shared memory.
+#[inline(always)]
+pub fn shared_addr<T>(p: *const T) -> u32 {
+    let a: u64;
+    unsafe {
+        asm!("cvta.to.shared.u64 {0}, {1};", out(reg64) a, in(reg64) p as u64,
+            options(pure, nomem, nostack))
+    };
+    a as u32
+}
+
+#[inline(always)]
+pub fn store_shared2(at: u32, v: [u32; 2]) {
+    unsafe {
+        asm!("st.shared.v2.b32 [{0}], {{{1}, {2}}};", in(reg32) at, in(reg32) v[0],
+            in(reg32) v[1], options(nostack))
+    };
+}
+
+#[inline(always)]
+pub fn store_shared4(at: u32, v: [u32; 4]) {
+    unsafe {
+        asm!("st.shared.v4.b32 [{0}], {{{1}, {2}, {3}, {4}}};", in(reg32) at, in(reg32) v[0],
+            in(reg32) v[1], in(reg32) v[2], in(reg32) v[3], options(nostack))
+    };
+}
+
+/// Four 8×8 matrices of halves from shared memory (`ldmatrix .x4`): lane `l` gives the address
+/// of row `l % 8` of matrix `l / 8` (16 bytes) and gets, in word `i`, the halves at row `l / 4`,
+/// columns `2·(l % 4)` and `+1` of matrix `i`, or with `TRANS` at column `l / 4`, rows
+/// `2·(l % 4)` and `+1` (the lower index in the low half).
+#[inline(always)]
+pub fn ldmatrix4<const TRANS: bool>(at: u32) -> [u32; 4] {
+    let (r0, r1, r2, r3);
+    unsafe {
+        if TRANS {
+            asm!("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+                out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
+                options(readonly, nostack));
+        } else {
+            asm!("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {{{0}, {1}, {2}, {3}}}, [{4}];",
+                out(reg32) r0, out(reg32) r1, out(reg32) r2, out(reg32) r3, in(reg32) at,
+                options(readonly, nostack));
+        }
+    }
+    [r0, r1, r2, r3]
+}
+
+/// `d += a·b` for one 16×8 tile over k = 16 (`mma.sync` m16n8k16, f16 products exact, f32
+/// sums). With `g = lane / 4`, `c = lane % 4`: `a` holds rows `g`, `g + 8`, `g`, `g + 8` at
+/// k `2c, 2c + 1` (+8 in words 2, 3); `b` k `2c, 2c + 1` (+8 in word 1) of column `g`; `d`
+/// rows `g` (0, 1) and `g + 8` (2, 3) at columns `2c, 2c + 1`.
+#[inline(always)]
+pub fn mma(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
+    unsafe {
+        asm!("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {{{0}, {1}, {2}, {3}}}, \
+              {{{4}, {5}, {6}, {7}}}, {{{8}, {9}}}, {{{0}, {1}, {2}, {3}}};",
+            inout(reg32) d[0], inout(reg32) d[1], inout(reg32) d[2], inout(reg32) d[3],
+            in(reg32) a[0], in(reg32) a[1], in(reg32) a[2], in(reg32) a[3],
+            in(reg32) b[0], in(reg32) b[1], options(pure, nomem, nostack))
+    };
+}
+
