@@ -73,8 +73,8 @@ fn shared_of(threads: u32) -> u32 {
     (threads / 32 * 2).max(32) * 4
 }
 
-/// How a decode kernel is launched for `units` GEMV units of `split` warps.
-struct Geometry {
+/// How a GEMV kernel (these and matmul.rs's) is launched for `units` units of `split` warps.
+pub(super) struct Geometry {
     /// Threads per block.
     threads: u32,
     /// Units per block and round.
@@ -94,7 +94,7 @@ impl Device {
     /// `MAX_WARPS / split` units per block (at least one), fewer while that leaves SMs
     /// without a block: the small matrices (k and v have 64 units) then still spread over the
     /// GPU.
-    fn geometry(&self, units: usize, split: u32) -> Result<Geometry> {
+    pub(super) fn geometry(&self, units: usize, split: u32) -> Result<Geometry> {
         let sms = self.sm_count()? as usize;
         let mut per_block = (MAX_WARPS / split).max(1);
         while per_block > 1 && units.div_ceil(per_block as usize) < sms {
@@ -110,7 +110,8 @@ impl Device {
     /// The launch of a kernel whose blocks stride over its units: as many blocks as cover them
     /// in one round, at most as many as the GPU holds at once (the rest go round again, with
     /// no block waiting for a slot).
-    fn strided_launch(&self, name: &str, g: &Geometry, shared: u32) -> Result<LaunchConfig> {
+    pub(super) fn strided_launch(&self, name: &str, g: &Geometry) -> Result<LaunchConfig> {
+        let shared = shared_of(g.threads);
         let resident = self
             .kernel(name)
             .occupancy_max_active_blocks_per_multiprocessor(g.threads, shared as usize, None)?;
@@ -262,7 +263,7 @@ impl Device {
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split)?;
         let name = family_kernel(WHAT, gate.ty());
-        let cfg = self.strided_launch(&name, &g, shared_of(g.threads))?;
+        let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
         let (hp, _h) = h.device_ptr_mut(s);
         let (xp, _x) = x.device_ptr(s);
@@ -312,7 +313,7 @@ impl Device {
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split)?;
         let name = family_kernel(WHAT, w.ty());
-        let cfg = self.strided_launch(&name, &g, shared_of(g.threads))?;
+        let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
         let (yp, _y) = y.device_ptr_mut(s);
         let (vp, _v) = v.device_ptr(s);
@@ -368,7 +369,7 @@ impl Device {
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split)?;
         let name = family_kernel(WHAT, w.ty());
-        let cfg = self.strided_launch(&name, &g, shared_of(g.threads))?;
+        let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
         let (lp, _l) = logits.device_ptr_mut(s);
         let (xp, _x) = x.device_ptr(s);

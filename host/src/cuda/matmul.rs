@@ -21,10 +21,8 @@ const GEMM_GROUP: u32 = 128;
 const GEMM_MAX_TEAMS: u32 = 3;
 const GEMM_TEAM_SHARED_BYTES: u32 = 2 * 4 * 64 * 32 * 2;
 const GEMM_F32_SHARED_BYTES: u32 = 2 * 32 * 68 * 4;
-/// The GEMV: at most this many warps per block, each lane one chunk of 32 weights per row
-/// (so rows of at most 32 warps' chunks; longer ones go to the GEMM), 2 f32 of shared memory
-/// per warp. They must match gpu-kernels/src/matmul.rs.
-const GEMV_WARPS: usize = 8;
+/// The GEMV: each lane one chunk of 32 weights per row, so rows of at most 32 warps' chunks
+/// (longer ones go to the GEMM); 2 f32 of shared memory per warp. As gpu-kernels/src/matmul.rs.
 const GEMV_MAX_SPLIT: usize = 32;
 
 /// `n` as a kernel's `u32` size, or an error naming `what`.
@@ -184,25 +182,17 @@ impl Device {
         // A null bias pointer: the kernels add nothing.
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
         if let (1, Some(split)) = (rows, gemv_split(n_in)) {
-            // Units of 2 rows, `split` warps each, as many per block as make 8 warps.
-            let per_block = (GEMV_WARPS / split as usize).max(1);
-            let threads = 32 * split * per_block as u32;
-            let cfg = LaunchConfig {
-                grid_dim: (
-                    size_u32(n_out.div_ceil(2 * per_block), "gemv blocks")?,
-                    1,
-                    1,
-                ),
-                block_dim: (threads, 1, 1),
-                shared_mem_bytes: threads / 32 * 2 * 4,
-            };
+            // Units of 2 rows, `split` warps each; blocks stride over them.
+            let g = self.geometry(n_out.div_ceil(2), split)?;
+            let cfg = self.strided_launch(gemv, &g)?;
             let mut l = stream.launch_builder(self.kernel(gemv));
             l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
             l.arg(&n_in32).arg(&n_out32).arg(&split);
             // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
             // u32); the kernel reads n_in of x, the n_out rows of w, n_out of bias and writes
             // n_out of y, all checked above and by the caller; blocks are whole units of
-            // `split` warps with 32·split lanes for the row's chunks, shared 2 f32 per warp.
+            // `split` warps with 32·split lanes for the row's chunks, shared at least 2 f32 per
+            // warp.
             unsafe { l.launch(cfg) }?;
         } else {
             let f = self.kernel(gemm);
