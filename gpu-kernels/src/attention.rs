@@ -28,7 +28,6 @@ const MAX_SPLITS: u32 = 64;
 /// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
 const PREFILL_ROWS: u32 = 64;
 
-
 /// `for $i in 0..$n { $body }` written out, so that every index into an array is a constant and
 /// the array stays in registers (LLVM does not fully unroll loops whose bodies hold many `mma`s
 /// or shuffles). `$n` is a literal (2, 4, 8 or 32), or an expression that folds to a constant

@@ -28,15 +28,20 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::matmul::{Held, Weights, bias_at, family, gemv_units, lane_chunk, with_weights};
 use crate::util::{
-    WARP, better, block, block_sum, exp, grid_dim, shared, sync_threads, thread,
-    threadfence,
+    WARP, better, block, block_sum, exp, grid_dim, shared, sync_threads, thread, threadfence,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, and the RMSNorm's
 /// scale `1/sqrt(mean(x²) + eps)` (correctly rounded square root and division, as the CPU's).
 /// Every thread of the block must call it (it syncs); shared: 32 f32.
 #[inline(always)]
-fn held_norm<W: Weights>(x: *const f32, g: *const f32, n_in: u32, eps: f32, split: u32) -> (Held, f32) {
+fn held_norm<W: Weights>(
+    x: *const f32,
+    g: *const f32,
+    n_in: u32,
+    eps: f32,
+    split: u32,
+) -> (Held, f32) {
     let (chunks, warp) = (n_in / 32, thread() / WARP);
     let c = warp % split * WARP + thread() % WARP;
     let (held, ss) = Held::load::<W, true>(x, g, lane_chunk(split, chunks), n_in);
@@ -91,10 +96,14 @@ unsafe fn attn_qkv_family<const F: u32>(
     let (w, ty, bias, out, stride, heads, rotate, b0, blocks) = if b < q_blocks {
         (wq, ty_q, bq, q, 0, n_heads, true, 0, q_blocks)
     } else if b < q_blocks + kv_blocks {
-        (wk, ty_k, bk, k_cache, kv_dim, n_kv, true, q_blocks, kv_blocks)
+        (
+            wk, ty_k, bk, k_cache, kv_dim, n_kv, true, q_blocks, kv_blocks,
+        )
     } else {
         let kv_end = q_blocks + kv_blocks;
-        (wv, ty_v, bv, v_cache, kv_dim, n_kv, false, kv_end, kv_blocks)
+        (
+            wv, ty_v, bv, v_cache, kv_dim, n_kv, false, kv_end, kv_blocks,
+        )
     };
     let half = head_dim / 2;
     let proj = Qkv {

@@ -4,7 +4,16 @@
 //! compares the two. Conventions: pointers are raw device pointers, sizes are `u32`,
 //! matrices are row-major, weights in f16 are passed as their `u16` bits.
 #![no_std]
-#![feature(abi_gpu_kernel, stdarch_nvptx, link_llvm_intrinsics, gpu_intrinsics, gpu_launch_sized_workgroup_mem, core_intrinsics, f16, asm_experimental_arch)]
+#![feature(
+    abi_gpu_kernel,
+    stdarch_nvptx,
+    link_llvm_intrinsics,
+    gpu_intrinsics,
+    gpu_launch_sized_workgroup_mem,
+    core_intrinsics,
+    f16,
+    asm_experimental_arch
+)]
 #![allow(internal_features, clippy::missing_safety_doc)]
 
 pub mod attention;

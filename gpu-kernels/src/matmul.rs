@@ -256,7 +256,13 @@ impl Held {
             if VEC {
                 unsafe { *(p.add(k) as *const F32x4) }.0
             } else {
-                let at = |j: usize| if k + j < n { unsafe { *p.add(k + j) } } else { 0.0 };
+                let at = |j: usize| {
+                    if k + j < n {
+                        unsafe { *p.add(k + j) }
+                    } else {
+                        0.0
+                    }
+                };
                 [at(0), at(1), at(2), at(3)]
             }
         };
@@ -277,7 +283,13 @@ impl Held {
         }
         let half = |h: usize| v[16 * h..16 * h + 16].iter().fold(0.0, |s, v| s + v);
         let sum = [half(0), half(1)];
-        (Held { x: v.map(|v| v * W::X_SCALE), sum }, ss)
+        (
+            Held {
+                x: v.map(|v| v * W::X_SCALE),
+                sum,
+            },
+            ss,
+        )
     }
 }
 
@@ -375,7 +387,12 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
     let n_chunks = n_in.div_ceil(32);
     let c = lane_chunk(split, n_chunks);
     let held = || Held::load::<W, VEC>(x, core::ptr::null(), c, n_in);
-    let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
+    let rows = |u: u32| {
+        [
+            (&w, 2 * u as usize),
+            (&w, (2 * u + 1).min(n_out - 1) as usize),
+        ]
+    };
     let out = |u: u32, sums: [f32; 2], _| {
         for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
             if r < n_out {

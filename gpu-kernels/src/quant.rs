@@ -112,7 +112,11 @@ macro_rules! k4_block {
             #[inline(always)]
             fn scales(sc: u32, sup: u32) -> (f32, f32, f32) {
                 let s = f16_to_f32(sup as u16) * (sc & 255) as f32;
-                (s, s, f16_to_f32((sup >> 16) as u16) * (sc >> 8 & 255) as f32)
+                (
+                    s,
+                    s,
+                    f16_to_f32((sup >> 16) as u16) * (sc >> 8 & 255) as f32,
+                )
             }
             #[inline(always)]
             fn weight(q: f32, s: f32, m: f32) -> f32 {
@@ -136,7 +140,11 @@ impl Packing for Q6K {
     #[inline(always)]
     fn scales(sc: u32, sup: u32) -> (f32, f32, f32) {
         let d = f16_to_f32(sup as u16);
-        (d * (sc as u8 as i8) as f32, d * ((sc >> 8) as u8 as i8) as f32, 0.0)
+        (
+            d * (sc as u8 as i8) as f32,
+            d * ((sc >> 8) as u8 as i8) as f32,
+            0.0,
+        )
     }
     #[inline(always)]
     fn weight(q: f32, s: f32, _m: f32) -> f32 {
@@ -260,7 +268,11 @@ impl<P: Packing> Weights for Packed<P> {
         let c = row * self.chunks as usize + (k / 32) as usize;
         let (g, sc) = (k % 32 / 8, unsafe { *self.sc.add(c) } as u32);
         let h = (g % 2) as usize;
-        let sup = if P::SUPER { unsafe { *self.sup.add(c / 8) } } else { 0 };
+        let sup = if P::SUPER {
+            unsafe { *self.sup.add(c / 8) }
+        } else {
+            0
+        };
         let lo = unsafe { *(self.lo.add(16 * c + 8 * h) as *const u64) };
         let hi = unsafe {
             match P::BITS {
@@ -311,7 +323,11 @@ impl<P: Packing> Weights for Packed<P> {
         let (a, b) = (half(lo, x.sum[0]), half(hi, x.sum[1]));
         let (s0, s1, m) = P::scales(ch.sc, ch.sup);
         let d = s0 * a + s1 * b;
-        if P::MIN { d - m * (x.sum[0] + x.sum[1]) } else { d }
+        if P::MIN {
+            d - m * (x.sum[0] + x.sum[1])
+        } else {
+            d
+        }
     }
 }
 

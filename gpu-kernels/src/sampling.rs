@@ -4,8 +4,8 @@
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    WARP, better, block_dim, block_sum, release_next, shared, sync_threads, thread, wait_for_inputs,
-    warp_argmax,
+    WARP, better, block_dim, block_sum, release_next, shared, sync_threads, thread,
+    wait_for_inputs, warp_argmax,
 };
 
 unsafe extern "C" {

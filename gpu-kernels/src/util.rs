@@ -59,7 +59,11 @@ pub fn block_sum(v: f32) -> f32 {
         unsafe { *smem.add(warp as usize) = v };
     }
     sync_threads();
-    let v = if lane < warps { unsafe { *smem.add(lane as usize) } } else { 0.0 };
+    let v = if lane < warps {
+        unsafe { *smem.add(lane as usize) }
+    } else {
+        0.0
+    };
     let v = warp_sum(v);
     // Keep the shared slots alive until every warp has read them, so the block can reduce again.
     sync_threads();
@@ -258,4 +262,3 @@ pub fn mma(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
             in(reg32) b[0], in(reg32) b[1], options(pure, nomem, nostack))
     };
 }
-
