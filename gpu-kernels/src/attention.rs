@@ -14,9 +14,8 @@ use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    LO_SCALE, WARP, block, block_dim, exp, fma, grid_dim, ldmatrix4, mma, release_next, shared,
-    shared_addr, split_pair, store_shared2, sync_threads, thread, wait_for_inputs, warp_max,
-    warp_sum,
+    LO_SCALE, WARP, block, block_dim, exp, fma, grid_dim, ldmatrix4, mma, shared, shared_addr,
+    split_pair, store_shared2, sync_threads, thread, warp_max, warp_sum,
 };
 
 /// Threads of a block of either attention kernel: 8 warps.
@@ -225,8 +224,7 @@ pub unsafe extern "gpu-kernel" fn kv_append(
 /// softmax and its output dims `D/32` per lane. Each block stores its heads' partials; the
 /// last block of `x` to finish, by an atomic count of the slices in use, combines the
 /// partials of its heads into `out` in a fixed order (so the result does not depend on which
-/// block came last) and zeroes the count for the next launch. It reads nothing before
-/// `wait_for_inputs`, so it may be a programmatic dependent launch.
+/// block came last) and zeroes the count for the next launch.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn attention_decode(
@@ -243,10 +241,6 @@ pub unsafe extern "gpu-kernel" fn attention_decode(
     max_pos: u32,
     scale: f32,
 ) {
-    // Everything it reads comes from earlier kernels: with a programmatic dependent launch
-    // (the decode step's), wait for them first.
-    wait_for_inputs();
-    release_next();
     let fast = head_dim == 64
         && aligned16(out)
         && aligned16(q)

@@ -12,9 +12,8 @@ use core::arch::asm;
 
 use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0};
 use crate::util::{
-    LO_SCALE, WARP, block, block_dim, fma, grid_dim, ldmatrix4, mma, release_next, shared,
-    shared_addr, split, store_shared2, store_shared4, sync_threads, thread, wait_for_inputs,
-    warp_sum,
+    LO_SCALE, WARP, block, block_dim, fma, grid_dim, ldmatrix4, mma, shared, shared_addr, split,
+    store_shared2, store_shared4, sync_threads, thread, warp_sum,
 };
 
 /// 16 bytes, for one vector load of 4 floats.
@@ -297,10 +296,8 @@ impl Held {
 /// row times the vector that `held()` gives this lane, with `split` warps per unit
 /// (`n_chunks <= 32·split`): lane `l` of part `p` (warp `w`: part `w % split` of unit
 /// `w / split` of a round) takes chunk `32p + l` of every row, the chunk it holds, and lanes
-/// past `n_chunks` count zeros. The first round's chunks (weights: no kernel writes them) are
-/// loaded before the wait for the kernel before this one (`wait_for_inputs`) and before `held`
-/// runs (which may wait on a barrier), and each next round's before this round's are
-/// multiplied; `held` may read what earlier kernels wrote, `rows` only index math. The block
+/// past `n_chunks` count zeros. The first round's chunks are loaded before `held` runs (which
+/// may wait on a barrier), and each next round's before this round's are multiplied. The block
 /// runs rounds of `blockDim / 32 / split` units, block `block` of `blocks` striding over them.
 /// `out(unit, sums, t)` runs on one thread per unit with the 2 dot products and `held`'s `t`.
 /// Every thread of the block must call it (with `split > 1` the meetings sync the block).
@@ -331,8 +328,6 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, const VEC: bool>(
     };
     let mut first = block * per_block;
     let (mut a, mut b) = load(first);
-    wait_for_inputs();
-    release_next();
     let (x, t) = held();
     while first < n_units {
         let (next_a, next_b) = load(first + stride);

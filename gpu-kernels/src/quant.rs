@@ -12,7 +12,7 @@
 use core::marker::PhantomData;
 
 use crate::matmul::{Held, Weights, with_weights};
-use crate::util::{block, block_dim, f16_to_f32, fma, release_next, thread, wait_for_inputs};
+use crate::util::{block, block_dim, f16_to_f32, fma, thread};
 
 /// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
 pub mod id {
@@ -349,8 +349,6 @@ pub unsafe extern "gpu-kernel" fn embed(
     n_rows: u32,
     hidden: u32,
 ) {
-    wait_for_inputs();
-    release_next();
     let first = if pos.is_null() { 0 } else { unsafe { *pos } };
     let at = first as u64 + block() as u64;
     if at >= n_ids as u64 {

@@ -3,10 +3,7 @@
 //! tie rule: a higher value, then a lower id).
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
-use crate::util::{
-    WARP, better, block_dim, block_sum, release_next, shared, sync_threads, thread,
-    wait_for_inputs, warp_argmax,
-};
+use crate::util::{WARP, better, block_dim, block_sum, shared, sync_threads, thread, warp_argmax};
 
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.down.i32"]
@@ -107,8 +104,6 @@ pub unsafe extern "gpu-kernel" fn sample_dev(
     min_p: f32,
     seed: u64,
 ) {
-    wait_for_inputs();
-    release_next();
     let (p0, draw) = unsafe { (*pos, *step) };
     if p0 >= n_tokens {
         unsafe { core::arch::nvptx::trap() };
@@ -559,8 +554,6 @@ pub unsafe extern "gpu-kernel" fn advance(
     pos: *mut u32,
     step: *mut u64,
 ) {
-    wait_for_inputs();
-    release_next();
     unsafe {
         let p0 = *pos;
         let token = if *out == u32::MAX { 0 } else { *out };

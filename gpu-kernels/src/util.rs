@@ -140,28 +140,6 @@ pub fn grid_dim() -> u32 {
     unsafe { nvptx::_grid_dim_x() as u32 }
 }
 
-/// Programmatic dependent launch (the sm_90 build, `--cfg orcd_pdl`): waits until the kernels
-/// this one depends on have finished and their writes are visible. A kernel launched with the
-/// host's PDL attribute may start while the kernel before it still runs: it may read only
-/// what no kernel writes (weights) before this. Without PDL a no-op (the launch itself waited).
-#[inline(always)]
-pub fn wait_for_inputs() {
-    #[cfg(orcd_pdl)]
-    unsafe {
-        core::arch::asm!("griddepcontrol.wait;", options(nostack))
-    };
-}
-
-/// Lets the next kernel of the stream start (its blocks then prefetch and wait in
-/// `wait_for_inputs`). Called after this kernel's own wait, so at most two kernels overlap.
-#[inline(always)]
-pub fn release_next() {
-    #[cfg(orcd_pdl)]
-    unsafe {
-        core::arch::asm!("griddepcontrol.launch_dependents;", options(nostack))
-    };
-}
-
 #[inline(always)]
 pub fn fma(a: f32, b: f32, c: f32) -> f32 {
     core::intrinsics::fmaf32(a, b, c)

@@ -15,8 +15,5 @@ pub mod tokenizer;
 
 pub use error::{Error, Result};
 
-/// The PTX of every kernel in `gpu-kernels/`, built by `build.rs` for sm_80 and newer.
+/// The PTX of every kernel in `gpu-kernels/`, built by `build.rs`.
 pub const PTX: &str = include_str!(env!("ORCD_PTX"));
-/// The same kernels for sm_90 and newer, with programmatic dependent launch: the decode step's
-/// kernels may start while the one before them finishes (see `cuda::Device::launcher`).
-pub const PTX_SM90: &str = include_str!(env!("ORCD_PTX_SM90"));

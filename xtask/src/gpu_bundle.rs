@@ -15,7 +15,7 @@ pub struct Args {
 }
 
 /// The bundle must travel to the GPU machine in one go.
-const MAX_BYTES: u64 = 60_000_000;
+const MAX_BYTES: u64 = 40_000_000;
 const REFS: &str = "qwen2.5-coder-0.5b-q4km.hf.json";
 
 pub fn main(args: Args) -> Result<()> {

@@ -241,9 +241,7 @@ impl Device {
         let (sp, _s) = scratch.partials.device_ptr_mut(stream);
         let (cp, _c) = scratch.counters.device_ptr_mut(stream);
         let (rows, n_heads, n_kv, hd) = (rows as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
-        // The decode kernel joins the decode step's programmatic dependent launches (it waits
-        // for the kernel before it first thing).
-        let mut l = self.launcher(name, rows == 1);
+        let mut l = stream.launch_builder(self.kernel(name));
         l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
         if rows == 1 {
             l.arg(&sp).arg(&cp);

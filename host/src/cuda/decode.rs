@@ -4,7 +4,7 @@
 //! allocates, copies from the host or synchronises. Every weight matrix is a [`GpuMatrix`], read
 //! in its own format (packed quantized chunks, or plain floats).
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::matmul::{GpuMatrix, gemv_split};
 use super::{Device, check};
@@ -212,7 +212,7 @@ impl Device {
         let tys = qkv.each_ref().map(|(w, _)| w.ty() as u32);
         let (n_in, n_heads, n_kv, hd) = (n_in as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
         let max_pos = max_pos as u32;
-        let mut l = self.launcher(&name, true);
+        let mut l = self.stream().launch_builder(self.kernel(&name));
         l.arg(&qp).arg(&kc).arg(&vc).arg(&xp).arg(&np).arg(&eps);
         for i in 0..3 {
             l.arg(&ws[i].0).arg(&tys[i]).arg(&bp[i]);
@@ -272,7 +272,7 @@ impl Device {
         let (upp, _u) = up.ptr(s);
         check_aligned(&[xp, np], WHAT)?;
         let (ty, n_in) = (gate.ty() as u32, n_in as u32);
-        let mut l = self.launcher(&name, true);
+        let mut l = self.stream().launch_builder(self.kernel(&name));
         l.arg(&hp)
             .arg(&xp)
             .arg(&np)
@@ -322,7 +322,7 @@ impl Device {
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
         check_aligned(&[vp], WHAT)?;
         let (ty, n_in) = (w.ty() as u32, u32_of(n_in, WHAT)?);
-        let mut l = self.launcher(&name, true);
+        let mut l = self.stream().launch_builder(self.kernel(&name));
         l.arg(&yp).arg(&vp).arg(&wp).arg(&ty).arg(&bp);
         l.arg(&n_in).arg(&n_out32).arg(&split);
         // SAFETY: parameters (f32*, const f32*, const u8*, u32, const f32* or null, u32, u32,
@@ -380,7 +380,7 @@ impl Device {
         // Null pointers: no arg-max.
         let (op, sp) = best.as_ref().map_or((0, 0), |((o, _), (sc, _))| (*o, *sc));
         let (ty, n_in) = (w.ty() as u32, n_in as u32);
-        let mut l = self.launcher(&name, true);
+        let mut l = self.stream().launch_builder(self.kernel(&name));
         l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
         l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,

@@ -287,8 +287,7 @@ impl Device {
         let (op, _o) = out.device_ptr_mut(stream);
         let (tp, _t) = table.ptr(stream);
         let (kp, _k) = tokens.device_ptr(stream);
-        // In a decode step (`pos` on the device) it may overlap the kernel before it.
-        let mut l = self.launcher("embed", pos != 0);
+        let mut l = stream.launch_builder(self.kernel("embed"));
         l.arg(&op)
             .arg(&tp)
             .arg(&ty)

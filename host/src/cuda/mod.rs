@@ -2,17 +2,11 @@
 //! launch helper per kernel. Built on cudarc with dynamic loading, so the library compiles
 //! and its CPU parts run on machines without CUDA.
 use std::collections::HashMap;
-use std::ffi::c_void;
-use std::marker::PhantomData;
 use std::sync::Arc;
 
-use cudarc::driver::sys::{
-    CUdevice_attribute, CUlaunchAttribute, CUlaunchAttributeID, CUlaunchAttributeValue,
-    CUlaunchConfig, CUresult, cuLaunchKernelEx,
-};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, DriverError, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
 };
 
 use crate::{Error, Result};
@@ -35,13 +29,11 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: HashMap<String, CudaFunction>,
-    /// Whether the kernels are the sm_90 build, with programmatic dependent launch.
-    pdl: bool,
 }
 
-/// Every kernel (`.visible .entry NAME(`) of the PTX `ptx`, looked up once.
-fn load_kernels(module: &Arc<CudaModule>, ptx: &str) -> Result<HashMap<String, CudaFunction>> {
-    let names = ptx
+/// Every kernel (`.visible .entry NAME(`) of the PTX, looked up once.
+fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<String, CudaFunction>> {
+    let names = crate::PTX
         .lines()
         .filter_map(|l| l.strip_prefix(".visible .entry ")?.split('(').next());
     names
@@ -80,20 +72,14 @@ impl Device {
         // A stream of our own (not the legacy default stream) so that work can be captured
         // into CUDA graphs.
         let stream = ctx.new_stream()?;
-        // Hopper and newer: the build whose decode kernels overlap (see `launcher`).
-        let major =
-            ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let pdl = major >= 9;
-        let ptx = if pdl { crate::PTX_SM90 } else { crate::PTX };
         let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
+            .load_module(cudarc::nvrtc::Ptx::from_src(crate::PTX))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
-        let kernels = load_kernels(&module, ptx)?;
+        let kernels = load_kernels(&module)?;
         Ok(Device {
             ctx,
             stream,
             kernels,
-            pdl,
         })
     }
 
@@ -130,20 +116,6 @@ impl Device {
         self.kernels
             .get(name)
             .unwrap_or_else(|| panic!("kernel {name} is not in the PTX"))
-    }
-
-    /// A launch of kernel `name` on the stream. With `overlap`, on sm_90 and newer, it is a
-    /// programmatic dependent launch: the kernel may start while the one before it finishes,
-    /// prefetching its weights until its `wait_for_inputs` (gpu-kernels' util.rs) returns. Only
-    /// for kernels that wait before they read anything another kernel writes: the decode step's.
-    pub(crate) fn launcher<'a>(&'a self, name: &str, overlap: bool) -> Launch<'a> {
-        Launch {
-            dev: self,
-            func: self.kernel(name),
-            args: Vec::new(),
-            overlap: overlap && self.pdl,
-            values: PhantomData,
-        }
     }
 
     /// The stream every launch goes to.
@@ -185,65 +157,6 @@ impl Device {
         // touches `rows * n` elements of out and x and `n` of w, all checked above.
         unsafe { l.launch(cfg) }?;
         Ok(())
-    }
-}
-
-/// A kernel launch being built: its arguments, each a pointer to the value the kernel takes
-/// (as `cuLaunchKernelEx` wants them), borrowed until the launch.
-pub(crate) struct Launch<'a> {
-    dev: &'a Device,
-    func: &'a CudaFunction,
-    args: Vec<*mut c_void>,
-    overlap: bool,
-    values: PhantomData<&'a ()>,
-}
-
-impl<'a> Launch<'a> {
-    pub(crate) fn arg<T: DeviceRepr>(&mut self, value: &'a T) -> &mut Self {
-        self.args.push(value as *const T as *mut c_void);
-        self
-    }
-
-    /// Launches the kernel on the device's stream.
-    ///
-    /// # Safety
-    /// As cudarc's launches: the arguments are the kernel's parameters, in order and of their
-    /// types, and every buffer it touches is large enough and alive until it has run.
-    pub(crate) unsafe fn launch(mut self, cfg: LaunchConfig) -> Result<()> {
-        let mut attr = CUlaunchAttribute {
-            id: CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
-            pad: [0; 4],
-            value: CUlaunchAttributeValue {
-                programmaticStreamSerializationAllowed: 1,
-            },
-        };
-        let config = CUlaunchConfig {
-            gridDimX: cfg.grid_dim.0,
-            gridDimY: cfg.grid_dim.1,
-            gridDimZ: cfg.grid_dim.2,
-            blockDimX: cfg.block_dim.0,
-            blockDimY: cfg.block_dim.1,
-            blockDimZ: cfg.block_dim.2,
-            sharedMemBytes: cfg.shared_mem_bytes,
-            hStream: self.dev.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: self.overlap as u32,
-        };
-        self.dev.ctx.bind_to_thread()?;
-        // SAFETY: the function and stream belong to this context, bound above; the arguments
-        // are the caller's promise.
-        let r = unsafe {
-            cuLaunchKernelEx(
-                &config,
-                self.func.cu_function(),
-                self.args.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        };
-        match r {
-            CUresult::CUDA_SUCCESS => Ok(()),
-            e => Err(DriverError(e).into()),
-        }
     }
 }
 

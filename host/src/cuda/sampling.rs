@@ -108,7 +108,7 @@ impl Device {
                 && tokens.len() <= u32::MAX as usize,
             "sample_dev: shapes",
         )?;
-        let (_, cfg) = self.sample_launch("sample_dev", n)?;
+        let (f, cfg) = self.sample_launch("sample_dev", n)?;
         let (n, n_tokens, top_k) = (n as u32, tokens.len() as u32, top_k_arg(p));
         let last_n = p.repeat_last_n.min(u32::MAX as usize) as u32;
         let stream = self.stream();
@@ -117,7 +117,7 @@ impl Device {
         let (tp, _t) = tokens.device_ptr_mut(stream);
         let (pp, _p) = pos.device_ptr_mut(stream);
         let (sp, _s) = step.device_ptr_mut(stream);
-        let mut l = self.launcher("sample_dev", true);
+        let mut l = stream.launch_builder(f);
         l.arg(&o)
             .arg(&lp)
             .arg(&n)
@@ -163,7 +163,7 @@ impl Device {
         let (tp, _t) = tokens.device_ptr_mut(stream);
         let (pp, _p) = pos.device_ptr_mut(stream);
         let (sp, _s) = step.device_ptr_mut(stream);
-        let mut l = self.launcher("advance", true);
+        let mut l = stream.launch_builder(self.kernel("advance"));
         l.arg(&o).arg(&tp).arg(&n_tokens).arg(&pp).arg(&sp);
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
