@@ -14,8 +14,8 @@ use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    LO_SCALE, WARP, block, block_dim, exp, fma, grid_dim, ldmatrix4, mma, shared, shared_addr,
-    split_pair, store_shared2, sync_threads, thread, warp_max, warp_sum,
+    F32x4, LO_SCALE, WARP, aligned, block, block_dim, exp, fma, grid_dim, ldmatrix4, mma, shared,
+    shared_addr, split_pair, store_shared2, sync_threads, thread, warp_max, warp_sum,
 };
 
 /// Threads of a block of either attention kernel: 8 warps.
@@ -58,20 +58,10 @@ macro_rules! unroll {
     };
 }
 
-/// 16 bytes, for one vector access of 4 floats.
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-struct F32x4([f32; 4]);
-
 /// 8 bytes, for one vector access of 2 floats.
 #[repr(C, align(8))]
 #[derive(Clone, Copy)]
 struct F32x2([f32; 2]);
-
-#[inline(always)]
-fn aligned16<T>(p: *const T) -> bool {
-    (p as usize).is_multiple_of(16)
-}
 
 /// `N` (2 or 4) floats at `p`, `4N`-byte aligned: one vector load.
 #[inline(always)]
@@ -242,11 +232,11 @@ pub unsafe extern "gpu-kernel" fn attention_decode(
     scale: f32,
 ) {
     let fast = head_dim == 64
-        && aligned16(out)
-        && aligned16(q)
-        && aligned16(k_cache)
-        && aligned16(v_cache)
-        && aligned16(partials);
+        && aligned(out, 16)
+        && aligned(q, 16)
+        && aligned(k_cache, 16)
+        && aligned(v_cache, 16)
+        && aligned(partials, 16);
     let a = (out, q, k_cache, v_cache, pos, partials, counters);
     let n = (n_heads, n_kv, head_dim, max_pos, scale);
     if fast {
@@ -567,10 +557,10 @@ pub unsafe extern "gpu-kernel" fn attention_prefill(
     scale: f32,
 ) {
     let fast = head_dim == 64
-        && aligned16(out)
-        && aligned16(q)
-        && aligned16(k_cache)
-        && aligned16(v_cache);
+        && aligned(out, 16)
+        && aligned(q, 16)
+        && aligned(k_cache, 16)
+        && aligned(v_cache, 16);
     let a = (out, q, k_cache, v_cache, pos);
     let n = (rows, n_heads, n_kv, head_dim, max_pos, scale);
     if fast {

@@ -12,24 +12,14 @@ use core::arch::asm;
 
 use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0};
 use crate::util::{
-    LO_SCALE, WARP, block, block_dim, fma, grid_dim, ldmatrix4, mma, shared, shared_addr, split,
-    store_shared2, store_shared4, sync_threads, thread, warp_sum,
+    F32x4, LO_SCALE, WARP, aligned, block, block_dim, fma, grid_dim, ldmatrix4, mma, shared,
+    shared_addr, split, store_shared2, store_shared4, sync_threads, thread, warp_sum,
 };
-
-/// 16 bytes, for one vector load of 4 floats.
-#[repr(C, align(16))]
-#[derive(Clone, Copy)]
-struct F32x4([f32; 4]);
 
 /// `T` 16-byte aligned: a vector load of 8 plain floats (16 bytes of f16, 32 of f32).
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
 pub(crate) struct Align16<T>(T);
-
-#[inline(always)]
-pub(crate) fn aligned<T>(p: *const T, bytes: usize) -> bool {
-    (p as usize).is_multiple_of(bytes)
-}
 
 /// `bias[i]`, or 0 for a null bias.
 #[inline(always)]
@@ -191,39 +181,22 @@ pub mod family {
 /// `$body` with `$W` the [`Weights`] type of ggml type id `$ty`, among the types of kernel
 /// family `$family` (a constant: the other types' code is never built); traps on any other id.
 macro_rules! with_weights {
-    ($family:expr, $ty:expr, $W:ident => $body:expr) => {{
+    ($family:expr, $ty:expr, $W:ident => $body:expr) => {
+        with_weights!(@ $family, $ty, $W => $body;
+            F32 F32 Plain<f32>, F16 F16 Plain<f16>, BF16 BF16 Plain<Bf16>,
+            PACKED Q4_0 Packed<Q4_0>, PACKED Q5_0 Packed<Q5_0>, PACKED Q8_0 Packed<Q8_0>,
+            PACKED Q4_K Packed<Q4K>, PACKED Q5_K Packed<Q5K>, PACKED Q6_K Packed<Q6K>)
+    };
+    (@ $family:expr, $ty:expr, $W:ident => $body:expr; $($fam:ident $id:ident $T:ty),*) => {{
         use crate::matmul::{Bf16, Plain, family};
         use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, id};
         let (ty, fam) = ($ty, $family);
-        let (any, packed) = (fam == family::ANY, fam == family::PACKED);
-        if (any || fam == family::F32) && ty == id::F32 {
-            type $W = Plain<f32>;
-            $body
-        } else if (any || fam == family::F16) && ty == id::F16 {
-            type $W = Plain<f16>;
-            $body
-        } else if (any || fam == family::BF16) && ty == id::BF16 {
-            type $W = Plain<Bf16>;
-            $body
-        } else if (any || packed) && ty == id::Q4_0 {
-            type $W = Packed<Q4_0>;
-            $body
-        } else if (any || packed) && ty == id::Q5_0 {
-            type $W = Packed<Q5_0>;
-            $body
-        } else if (any || packed) && ty == id::Q8_0 {
-            type $W = Packed<Q8_0>;
-            $body
-        } else if (any || packed) && ty == id::Q4_K {
-            type $W = Packed<Q4K>;
-            $body
-        } else if (any || packed) && ty == id::Q5_K {
-            type $W = Packed<Q5K>;
-            $body
-        } else if (any || packed) && ty == id::Q6_K {
-            type $W = Packed<Q6K>;
-            $body
-        } else {
+        $(
+            if (fam == family::ANY || fam == family::$fam) && ty == id::$id {
+                type $W = $T;
+                $body
+            } else
+        )* {
             unsafe { core::arch::nvptx::trap() }
         }
     }};

@@ -240,3 +240,14 @@ pub fn mma(d: &mut [f32; 4], a: [u32; 4], b: [u32; 2]) {
             in(reg32) b[0], in(reg32) b[1], options(pure, nomem, nostack))
     };
 }
+
+/// 16 bytes, for one vector access of 4 floats.
+#[repr(C, align(16))]
+#[derive(Clone, Copy)]
+pub struct F32x4(pub [f32; 4]);
+
+/// Whether `p` is a multiple of `bytes`.
+#[inline(always)]
+pub fn aligned<T>(p: *const T, bytes: usize) -> bool {
+    (p as usize).is_multiple_of(bytes)
+}
