@@ -119,12 +119,7 @@ impl TensorInfo {
 pub struct Gguf {
     path: PathBuf,
     map: Mmap,
-    version: u32,
-    alignment: u64,
-    metadata: Vec<(String, Value)>,
-    metadata_index: HashMap<String, usize>,
-    tensors: Vec<TensorInfo>,
-    tensor_index: HashMap<String, usize>,
+    header: Header,
 }
 
 impl Gguf {
@@ -155,12 +150,7 @@ impl Gguf {
         Ok(Gguf {
             path: path.to_path_buf(),
             map,
-            version: header.version,
-            alignment: header.alignment,
-            metadata: header.metadata,
-            metadata_index: header.metadata_index,
-            tensors: header.tensors,
-            tensor_index: header.tensor_index,
+            header,
         })
     }
 
@@ -169,12 +159,12 @@ impl Gguf {
     }
 
     pub fn version(&self) -> u32 {
-        self.version
+        self.header.version
     }
 
     /// `general.alignment`, or the default of 32.
     pub fn alignment(&self) -> u64 {
-        self.alignment
+        self.header.alignment
     }
 
     pub fn file_size(&self) -> u64 {
@@ -183,11 +173,12 @@ impl Gguf {
 
     /// All metadata, in file order.
     pub fn metadata(&self) -> &[(String, Value)] {
-        &self.metadata
+        &self.header.metadata
     }
 
     pub fn get(&self, key: &str) -> Option<&Value> {
-        self.metadata_index.get(key).map(|&i| &self.metadata[i].1)
+        let h = &self.header;
+        h.metadata_index.get(key).map(|&i| &h.metadata[i].1)
     }
 
     pub fn get_str(&self, key: &str) -> Result<&str> {
@@ -218,12 +209,12 @@ impl Gguf {
     }
 
     pub fn tensors(&self) -> &[TensorInfo] {
-        &self.tensors
+        &self.header.tensors
     }
 
     pub fn tensor(&self, name: &str) -> Result<&TensorInfo> {
-        match self.tensor_index.get(name) {
-            Some(&i) => Ok(&self.tensors[i]),
+        match self.header.tensor_index.get(name) {
+            Some(&i) => Ok(&self.header.tensors[i]),
             None => Err(self.error(format!("no tensor named '{name}'"))),
         }
     }
@@ -264,13 +255,14 @@ impl std::fmt::Debug for Gguf {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Gguf")
             .field("path", &self.path)
-            .field("version", &self.version)
-            .field("metadata", &self.metadata.len())
-            .field("tensors", &self.tensors.len())
+            .field("version", &self.header.version)
+            .field("metadata", &self.header.metadata.len())
+            .field("tensors", &self.header.tensors.len())
             .finish()
     }
 }
 
+/// What `parse` reads of a file: everything but the tensor data.
 struct Header {
     version: u32,
     alignment: u64,
