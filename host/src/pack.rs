@@ -22,6 +22,8 @@
 //!
 //! The plain float types (f32, f16, bf16) are their bytes as they are. The kernels compute the
 //! same offsets (`gpu-kernels/src/quant.rs`, `Packed::new`).
+use std::borrow::Cow;
+
 use half::f16;
 use rayon::prelude::*;
 
@@ -190,8 +192,9 @@ fn pack_chunk(q: &[u8], bits: usize, lo: &mut [u8], hi: &mut [u8]) {
     }
 }
 
-/// `data`, whole rows of `n_in` elements of `ty` as stored in the file, in the packed layout.
-pub fn pack(ty: GgmlType, data: &[u8], n_in: usize) -> Result<Vec<u8>> {
+/// `data`, whole rows of `n_in` elements of `ty` as stored in the file, in the packed layout
+/// (plain float types: `data` itself, borrowed).
+pub fn pack(ty: GgmlType, data: &[u8], n_in: usize) -> Result<Cow<'_, [u8]>> {
     let bad = || {
         Error::Invalid(format!(
             "pack {}: {} bytes are not whole rows of {n_in}",
@@ -205,7 +208,7 @@ pub fn pack(ty: GgmlType, data: &[u8], n_in: usize) -> Result<Vec<u8>> {
     }
     let rows = data.len() / row_bytes;
     let Some(p) = packing(ty) else {
-        return Ok(data.to_vec());
+        return Ok(Cow::Borrowed(data));
     };
     let l = layout(ty, rows, n_in).ok_or_else(bad)?;
     let mut out = vec![0u8; l.bytes];
@@ -236,7 +239,7 @@ pub fn pack(ty: GgmlType, data: &[u8], n_in: usize) -> Result<Vec<u8>> {
             w.copy_from_slice(&sup_word(ty, b).to_le_bytes());
         }
     }
-    Ok(out)
+    Ok(Cow::Owned(out))
 }
 
 /// The f32 weights of a packed matrix, decoded from the packed bytes alone: the CPU twin of the

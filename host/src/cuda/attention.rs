@@ -4,7 +4,7 @@
 //! synchronisation) when `pos` puts a row past the cache or the RoPE table.
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
-use super::{BLOCK, Device, check};
+use super::{BLOCK, Device, check, u32_of};
 use crate::{Error, Result, cpu};
 
 /// Threads per block of both attention kernels: 8 warps.
@@ -39,10 +39,6 @@ pub struct AttentionScratch {
 }
 
 /// `n` as a kernel's `u32` size, or an error naming `what`.
-fn u32_of(n: usize, what: &str) -> Result<u32> {
-    u32::try_from(n).map_err(|_| Error::Invalid(format!("{what}: {n} does not fit in u32")))
-}
-
 impl Device {
     /// The scratch that `attention` needs for `n_heads` query heads of `head_dim`, zeroed.
     /// Allocate it once: `attention` allocates nothing, so that it can be captured in a graph.

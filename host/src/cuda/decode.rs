@@ -7,7 +7,7 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
 
 use super::matmul::{GpuMatrix, gemv_split};
-use super::{Device, check};
+use super::{Device, check, u32_of};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -22,11 +22,6 @@ fn check_matrix(w: &GpuMatrix, n_out: usize, n_in: usize, what: &str) -> Result<
         w.rows() == n_out && w.n_in() == n_in,
         &format!("{what}: shapes"),
     )
-}
-
-/// `v` as a kernel's `u32`, or an error naming `what`.
-fn u32_of(v: usize, what: &str) -> Result<u32> {
-    u32::try_from(v).map_err(|_| Error::Invalid(format!("{what}: {v} is too large for a kernel")))
 }
 
 /// An error unless every pointer is 16-byte aligned.

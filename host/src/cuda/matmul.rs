@@ -6,10 +6,10 @@ use cudarc::driver::{
 };
 use half::f16;
 
-use super::{BLOCK, Device, check};
+use super::{BLOCK, Device, check, u32_of};
+use crate::Result;
 use crate::pack;
 use crate::quant::{GgmlType, dequantize_f16};
-use crate::{Error, Result};
 
 /// The GEMM kernel's output tile (tokens × outputs), its groups of 4 warps (the tensor-core
 /// loop's consumer and its teams of producers, at most `GEMM_MAX_TEAMS`), the shared memory of
@@ -24,11 +24,6 @@ const GEMM_F32_SHARED_BYTES: u32 = 2 * 32 * 68 * 4;
 /// The GEMV: each lane one chunk of 32 weights per row, so rows of at most 32 warps' chunks
 /// (longer ones go to the GEMM); 2 f32 of shared memory per warp. As gpu-kernels/src/matmul.rs.
 const GEMV_MAX_SPLIT: usize = 32;
-
-/// `n` as a kernel's `u32` size, or an error naming `what`.
-fn size_u32(n: usize, what: &str) -> Result<u32> {
-    u32::try_from(n).map_err(|_| Error::Invalid(format!("{what}: {n} is too large for a kernel")))
-}
 
 /// Blocks of `BLOCK` threads for one thread per element.
 fn one_per_element(n: u32) -> LaunchConfig {
@@ -117,12 +112,8 @@ impl Device {
         dequantize_f16(ty, data, &mut w)?;
         // SAFETY: an f16 is 2 bytes with no padding and any bit pattern is a valid u8.
         let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), 2 * w.len()) };
-        Ok(GpuMatrix {
-            data: self.upload(bytes)?,
-            ty: GgmlType::F16,
-            rows: w.len() / n_in.max(1),
-            n_in,
-        })
+        // f16 is a plain type: packing borrows the bytes as they are.
+        self.upload_matrix(GgmlType::F16, bytes, n_in)
     }
 
     /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows`, with `w` `[n_out,
@@ -171,9 +162,9 @@ impl Device {
         if rows == 0 || n_out == 0 {
             return Ok(());
         }
-        let rows32 = size_u32(rows, &format!("{what} rows"))?;
-        let n_in32 = size_u32(n_in, &format!("{what} n_in"))?;
-        let n_out32 = size_u32(n_out, &format!("{what} n_out"))?;
+        let rows32 = u32_of(rows, &format!("{what} rows"))?;
+        let n_in32 = u32_of(n_in, &format!("{what} n_in"))?;
+        let n_out32 = u32_of(n_out, &format!("{what} n_out"))?;
         let (gemv, gemm) = matmul_kernels(ty);
         let stream = self.stream();
         let (yp, _y) = y.device_ptr_mut(stream);
@@ -211,7 +202,7 @@ impl Device {
             }
             let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
             let cfg = LaunchConfig {
-                grid_dim: (size_u32(tiles, &format!("{what} tiles"))?, 1, 1),
+                grid_dim: (u32_of(tiles, &format!("{what} tiles"))?, 1, 1),
                 block_dim: (groups * GEMM_GROUP, 1, 1),
                 shared_mem_bytes: shared,
             };
@@ -275,11 +266,11 @@ impl Device {
         if n_tokens == 0 {
             return Ok(());
         }
-        let n_rows = size_u32(table.rows, "embed rows")?;
-        let n_ids = size_u32(tokens.len(), "embed tokens")?;
-        let (hidden, ty) = (size_u32(hidden, "embed hidden")?, table.ty as u32);
+        let n_rows = u32_of(table.rows, "embed rows")?;
+        let n_ids = u32_of(tokens.len(), "embed tokens")?;
+        let (hidden, ty) = (u32_of(hidden, "embed hidden")?, table.ty as u32);
         let cfg = LaunchConfig {
-            grid_dim: (size_u32(n_tokens, "embed tokens")?, 1, 1),
+            grid_dim: (u32_of(n_tokens, "embed tokens")?, 1, 1),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
@@ -330,7 +321,7 @@ impl Device {
         if a.is_empty() {
             return Ok(());
         }
-        let n = size_u32(a.len(), name)?;
+        let n = u32_of(a.len(), name)?;
         let stream = self.stream();
         let (ap, _a) = a.device_ptr_mut(stream);
         let (bp, _b) = b.device_ptr(stream);

@@ -160,6 +160,11 @@ impl Device {
     }
 }
 
+/// `n` as a kernel's `u32` size, or an error naming `what`.
+pub(crate) fn u32_of(n: usize, what: &str) -> Result<u32> {
+    u32::try_from(n).map_err(|_| Error::Invalid(format!("{what}: {n} is too large for a kernel")))
+}
+
 pub(crate) fn check(ok: bool, what: &str) -> Result<()> {
     if ok {
         Ok(())
