@@ -23,12 +23,14 @@
 //! Work comes in GEMV units (two output rows that are used together), `split` warps per unit;
 //! a block runs `blockDim / 32 / split` units at a time and strides over the grid.
 use core::arch::nvptx;
+use core::cell::Cell;
 use core::intrinsics::sqrtf32;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
-use crate::matmul::{Held, Weights, bias_at, family, gemv_units, lane_chunk, with_weights};
+use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, with_weights};
 use crate::util::{
-    WARP, better, block, block_sum, exp, grid_dim, shared, sync_threads, thread, threadfence,
+    WARP, better, block, block_sum, exp, grid_dim, load_early, shared, sync_threads, thread,
+    threadfence,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, and the RMSNorm's
@@ -48,6 +50,16 @@ fn held_norm<W: Weights>(
     // The warps of the block's first unit hold every chunk once: their squares make the sum.
     let ss = if warp < split && c < chunks { ss } else { 0.0 };
     (held, 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps))
+}
+
+/// `bias[r]` by `load_early`, or 0 for a null bias.
+#[inline(always)]
+fn bias_early(bias: *const f32, r: usize) -> f32 {
+    if bias.is_null() {
+        0.0
+    } else {
+        load_early(unsafe { bias.add(r) })
+    }
 }
 
 /// `q = rope(wq·xn + bq)`, and `k = rope(wk·xn + bk)`, `v = wv·xn + bv` into row `pos[0]` of
@@ -119,10 +131,11 @@ unsafe fn attn_qkv_family<const F: u32>(
         // The position is read after the wait for the kernels before (it is theirs).
         let held = || {
             let p = unsafe { *pos };
+            // The norm's loads fly with the position's; the check waits for both.
+            let (x, s) = held_norm::<W>(x, norm, n_in, eps, split);
             if p >= max_pos {
                 unsafe { nvptx::trap() };
             }
-            let (x, s) = held_norm::<W>(x, norm, n_in, eps, split);
             (x, (s, p))
         };
         proj.run(&w, held, heads * half, n_in / 32, split, b - b0, blocks)
@@ -166,25 +179,26 @@ impl Qkv {
             let (r0, r1) = self.rows(unit);
             [(w, r0), (w, r1)]
         };
-        let out = |unit, [a, b]: [f32; 2], (s, p): (f32, u32)| {
+        let out = |unit, (s, p): (f32, u32)| {
             let (r0, r1) = self.rows(unit);
-            let (a, b) = (
-                a * s + bias_at(self.bias, r0),
-                b * s + bias_at(self.bias, r1),
-            );
-            // `cpu::rope_neox`'s rotation, operation for operation, with row `p` of the table.
-            let (a, b) = match self.rope {
-                Some(t) => {
-                    let at = 2 * (p * self.half + unit % self.half) as usize;
-                    let (cos, sin) = unsafe { (*t.add(at), *t.add(at + 1)) };
-                    (a * cos - b * sin, a * sin + b * cos)
-                }
-                None => (a, b),
-            };
+            let bias = [r0, r1].map(|r| bias_early(self.bias, r));
+            // Row `p` of the table.
+            let rope = self.rope.map(|t| {
+                let at = unsafe { t.add(2 * (p * self.half + unit % self.half) as usize) };
+                unsafe { (load_early(at), load_early(at.add(1))) }
+            });
             let out = unsafe { self.out.add(p as usize * self.stride) };
-            unsafe { (*out.add(r0), *out.add(r1)) = (a, b) };
+            move |[a, b]: [f32; 2]| {
+                let (a, b) = (a * s + bias[0], b * s + bias[1]);
+                // `cpu::rope_neox`'s rotation, operation for operation.
+                let (a, b) = match rope {
+                    Some((cos, sin)) => (a * cos - b * sin, a * sin + b * cos),
+                    None => (a, b),
+                };
+                unsafe { (*out.add(r0), *out.add(r1)) = (a, b) };
+            }
         };
-        gemv_units::<W, _, true>(held, chunks, n_pairs, split, block, blocks, rows, out);
+        gemv_units::<W, _, _, true>(held, chunks, n_pairs, split, block, blocks, rows, out);
     }
 }
 
@@ -211,11 +225,13 @@ unsafe fn ffn_gate_up_family<const F: u32>(
         let (gate, up) = (W::new(w_gate, n_out, n_in), W::new(w_up, n_out, n_in));
         let held = || held_norm::<W>(x, norm, n_in, eps, split);
         let rows = |r: u32| [(&gate, r as usize), (&up, r as usize)];
-        let out = |r: u32, [g, u]: [f32; 2], s: f32| {
-            let (g, u) = (g * s, u * s);
-            unsafe { *h.add(r as usize) = g / (1.0 + exp(-g)) * u };
+        let out = |r: u32, s: f32| {
+            move |[g, u]: [f32; 2]| {
+                let (g, u) = (g * s, u * s);
+                unsafe { *h.add(r as usize) = g / (1.0 + exp(-g)) * u };
+            }
         };
-        gemv_units::<W, f32, true>(held, n_in / 32, n_out, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true>(held, n_in / 32, n_out, split, block(), grid_dim(), rows, out)
     })
 }
 
@@ -240,16 +256,21 @@ unsafe fn gemv_residual_family<const F: u32>(
         let w = W::new(w, n_out, n_in);
         let held = || Held::load::<W, true>(v, core::ptr::null(), c, n_in);
         let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
-        let out = |u: u32, sums: [f32; 2], _| {
-            for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
-                if r < n_out {
-                    let r = r as usize;
-                    unsafe { *y.add(r) += s + bias_at(bias, r) };
+        // The rows of y (and the bias) are loaded before the products, added after.
+        let out = |u: u32, _| {
+            let rows = [2 * u, (2 * u + 1).min(n_out - 1)].map(|r| r as usize);
+            let old = rows.map(|r| (load_early(unsafe { y.add(r) }), bias_early(bias, r)));
+            move |sums: [f32; 2]| {
+                for (j, s) in sums.into_iter().enumerate() {
+                    if 2 * u + (j as u32) < n_out {
+                        let (y0, b) = old[j];
+                        unsafe { *y.add(rows[j]) = y0 + (s + b) };
+                    }
                 }
             }
         };
         let units = n_out.div_ceil(2);
-        gemv_units::<W, f32, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
     })
 }
 
@@ -277,26 +298,32 @@ unsafe fn logits_family<const F: u32>(
     best: *mut u32,
     scratch: *mut u64,
 ) {
-    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
+    // This thread's best (value, index), kept by the finishers.
+    let best_here = Cell::new((f32::NEG_INFINITY, u32::MAX));
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
         let held = || held_norm::<W>(x, norm, n_in, eps, split);
         let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
-        let out = |u: u32, sums: [f32; 2], scale: f32| {
-            for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
-                if r < n_out {
-                    let v = s * scale;
-                    unsafe { *logits.add(r as usize) = v };
-                    if better(v, r, bv, bi) {
-                        (bv, bi) = (v, r);
+        let best_here = &best_here;
+        let out = |u: u32, scale: f32| {
+            move |sums: [f32; 2]| {
+                for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
+                    if r < n_out {
+                        let v = s * scale;
+                        unsafe { *logits.add(r as usize) = v };
+                        let (bv, bi) = best_here.get();
+                        if better(v, r, bv, bi) {
+                            best_here.set((v, r));
+                        }
                     }
                 }
             }
         };
         let units = n_out.div_ceil(2);
-        gemv_units::<W, f32, true>(held, n_in / 32, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true>(held, n_in / 32, units, split, block(), grid_dim(), rows, out)
     });
     if !best.is_null() {
+        let (bv, bi) = best_here.get();
         grid_argmax(bv, bi, best, scratch);
     }
 }

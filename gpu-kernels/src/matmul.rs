@@ -272,12 +272,15 @@ impl Held {
 /// past `n_chunks` count zeros. The first round's chunks are loaded before `held` runs (which
 /// may wait on a barrier), and each next round's before this round's are multiplied. The block
 /// runs rounds of `blockDim / 32 / split` units, block `block` of `blocks` striding over them.
-/// `out(unit, sums, t)` runs on one thread per unit with the 2 dot products and `held`'s `t`.
+/// `out(unit, t)` runs on the one thread that finishes `unit` (with `held`'s `t`) before the
+/// unit's products, so that what it loads (a bias, the rows of `y` that it adds to) arrives
+/// while they are computed, and gives the finisher that takes the 2 dot products (for units
+/// past the end, `out` sees the last unit and its finisher is not called).
 /// Every thread of the block must call it (with `split > 1` the meetings sync the block).
 /// Shared: 2 f32 per warp.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, const VEC: bool>(
+pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, F: FnOnce([f32; 2]), const VEC: bool>(
     held: impl FnOnce() -> (Held, T),
     n_chunks: u32,
     n_units: u32,
@@ -285,7 +288,7 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, const VEC: bool>(
     block: u32,
     blocks: u32,
     rows: impl Fn(u32) -> [(&'a W, usize); 2],
-    mut out: impl FnMut(u32, [f32; 2], T),
+    out: impl Fn(u32, T) -> F,
 ) {
     let (lane, warp) = (thread() % WARP, thread() / WARP);
     let per_block = block_dim() / WARP / split;
@@ -302,14 +305,17 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, const VEC: bool>(
     let mut first = block * per_block;
     let (mut a, mut b) = load(first);
     let (x, t) = held();
+    // The unit of the round that this thread finishes (`gemv_meet`'s `u`), if any.
+    let mine = if split == 1 { warp } else { thread() };
     while first < n_units {
         let (next_a, next_b) = load(first + stride);
+        let finish = out((first + mine).min(n_units - 1), t);
         // A select, as a branch around the products would have LLVM sink the loads into it.
         let dot = |ch: &W::Chunk| warp_sum(if live { W::dot(ch, &x) } else { 0.0 });
         let sums = [dot(&a), dot(&b)];
         gemv_meet(sums, split, |u, sums| {
             if first + u < n_units {
-                out(first + u, sums, t)
+                finish(sums)
             }
         });
         (a, b) = (next_a, next_b);
@@ -361,15 +367,17 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
             (&w, (2 * u + 1).min(n_out - 1) as usize),
         ]
     };
-    let out = |u: u32, sums: [f32; 2], _| {
-        for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
-            if r < n_out {
-                unsafe { *y.add(r as usize) = s + bias_at(bias, r as usize) };
+    let out = |u: u32, _| {
+        move |sums: [f32; 2]| {
+            for (r, s) in [2 * u, 2 * u + 1].into_iter().zip(sums) {
+                if r < n_out {
+                    unsafe { *y.add(r as usize) = s + bias_at(bias, r as usize) };
+                }
             }
         }
     };
     let units = n_out.div_ceil(2);
-    gemv_units::<W, f32, VEC>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
+    gemv_units::<W, f32, _, VEC>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
 }
 
 /// Where the `split` warps of each GEMV unit meet: `out(unit, sums)` runs once for each unit

@@ -251,3 +251,15 @@ pub struct F32x4(pub [f32; 4]);
 pub fn aligned<T>(p: *const T, bytes: usize) -> bool {
     (p as usize).is_multiple_of(bytes)
 }
+
+/// `*p` (global memory), loaded where it is written: LLVM sinks an ordinary load to its first
+/// use (past a GEMV's products, say), which puts its latency after them; an `asm!` with
+/// side effects stays put.
+#[inline(always)]
+pub fn load_early(p: *const f32) -> f32 {
+    let v: f32;
+    unsafe {
+        asm!("ld.global.f32 {0}, [{1}];", out(reg32) v, in(reg64) p, options(nostack, readonly))
+    };
+    v
+}
