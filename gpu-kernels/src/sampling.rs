@@ -1,13 +1,25 @@
 //! Token choice on the GPU, so that only the chosen id crosses to the host.
 //! CPU twins: `orcd::cpu::argmax` and `orcd::sampling::sample` (same steps, same order, same
 //! tie rule: a higher value, then a lower id).
+//!
+//! The sampler is two kernels. `sample_candidates` cuts the vocabulary into slices, one block
+//! each: a block applies the repetition penalty to its slice and keeps the slice's top k. Every
+//! token of the top k of all is in the top k of its slice (fewer than k of its slice beat it),
+//! so `sample` (or `sample_dev`), one block, finds the same top k among those candidates and
+//! ends the steps there: softmax, sort, top-p, min-p and the draw.
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
-use crate::util::{WARP, better, block_dim, block_sum, shared, sync_threads, thread, warp_argmax};
+use crate::util::{
+    WARP, better, block, block_dim, block_sum, shared, sync_threads, thread, warp_argmax,
+};
 
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.down.i32"]
     fn shfl_down_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.nvvm.shfl.sync.up.i32"]
+    fn shfl_up_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
     #[link_name = "llvm.nvvm.vote.ballot.sync"]
     fn ballot(mask: u32, pred: bool) -> u32;
     #[link_name = "llvm.nvvm.ex2.approx.f"]
@@ -27,50 +39,104 @@ pub unsafe extern "gpu-kernel" fn argmax(out: *mut u32, x: *const f32, n: u32) {
 
 /// The most candidates top-k keeps: the shared candidate arrays' length.
 const MAX_K: u32 = 1024;
-/// Shared memory of `sample`, in 4-byte words: [0, 64) block reductions (`block_sum`,
-/// `block_best`), then scalars passed between threads, per-warp counts, the radix histogram
-/// and the candidates (value, id): 4224 words in all, a number the host's launch code repeats.
-/// The penalty's bitmap of `n` bits reuses it from word 0 before any of these is live.
+/// Shared memory, in 4-byte words: [0, 64) block reductions (`block_sum`, `block_best`), then
+/// scalars passed between threads, two sets of per-warp counts, the radix histogram and (in
+/// `sample` only) the candidates (value, id): 2208 words in `sample_candidates`, 4256 in
+/// `sample`, numbers the host's launch code repeats. The penalty's bitmap of a slice's bits
+/// reuses it from word 0 before any of these is live.
 const VARS: usize = 64;
 const WARP_COUNTS: usize = 96;
-const HIST: usize = 128;
+const HIST: usize = 160;
 const BINS: u32 = 2048;
 const CAND_V: usize = HIST + BINS as usize;
 const CAND_I: usize = CAND_V + MAX_K as usize;
 /// Slots in VARS.
 const DIGIT: usize = 0;
 const REMAINING: usize = 1;
-const COUNT: usize = 2;
+const WHOLE: usize = 2;
 const NONE: u32 = u32::MAX;
 
-/// The next token into `out[0]`, as `orcd::sampling::sample` picks it for these logits
-/// (penalised in place), the window `recent[..window]` of recent tokens and the draw
-/// `uniform(seed, step)`. `temperature` 0 is greedy; otherwise `top_k` must be in 1..=1024.
-/// Grid: one block; block: a power of two from 64 to 1024 threads; shared:
-/// 4 * max(4224, ceil(n / 32)) bytes.
+/// Steps 1 and 3 of `orcd::sampling::sample` for one slice of the logits per block: block `b`
+/// takes the logits `[b * slice, (b + 1) * slice)` (those below `n`), divides or multiplies
+/// (the penalty, in place) those of the distinct ids in the window, and writes the slice's top
+/// `k` (value, id), in id order, to `cand_v`/`cand_i[b * cap ..][..cap]`, NaN and id
+/// `u32::MAX` in the slots left over (`cap >= min(k, slice)`). NaN and -inf are never
+/// candidates. The tokens so far are `tokens[..n_tokens]`, or `tokens[..=pos[0]]` if `pos` is
+/// not null (then `pos[0] >= n_tokens` traps); the window is the last `last_n` of them.
+/// Grid: `ceil(n / slice)` blocks or more; block: a power of two from 64 to 1024 threads;
+/// shared: 4 * max(2208, ceil(slice / 32)) bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn sample_candidates(
+    cand_v: *mut f32,
+    cand_i: *mut u32,
+    cap: u32,
+    logits: *mut f32,
+    n: u32,
+    slice: u32,
+    tokens: *const u32,
+    n_tokens: u32,
+    pos: *const u32,
+    last_n: u32,
+    penalty: f32,
+    k: u32,
+) {
+    let end = if pos.is_null() {
+        n_tokens
+    } else {
+        let p0 = unsafe { *pos };
+        if p0 >= n_tokens {
+            unsafe { core::arch::nvptx::trap() };
+        }
+        p0 + 1
+    };
+    let window = end.min(last_n);
+    let recent = unsafe { tokens.add((end - window) as usize) };
+    let lo = block() * slice;
+    let len = slice.min(n.saturating_sub(lo));
+    // Not read past `len`, which is 0 for a block past the end.
+    let x = logits.wrapping_add(lo as usize);
+    if penalty != 1.0 && window > 0 {
+        repeat_penalty(x, lo, len, recent, window, penalty);
+    }
+    let value = |j: u32| unsafe { *x.add(j as usize) };
+    let id = |j: u32| lo + j;
+    let out_v = cand_v.wrapping_add((block() * cap) as usize);
+    let out_i = cand_i.wrapping_add((block() * cap) as usize);
+    let count = gather(&value, &id, len, kth_key(&value, len, k), out_v, out_i, cap);
+    let mut j = count + thread();
+    while j < cap {
+        unsafe {
+            *out_v.add(j as usize) = f32::NAN;
+            *out_i.add(j as usize) = u32::MAX;
+        }
+        j += block_dim();
+    }
+}
+
+/// The next token into `out[0]`, as `orcd::sampling::sample` picks it from the logits whose
+/// `sample_candidates` are `cand_v`/`cand_i[..slots]` (its grid times its `cap`), for the same
+/// `k`, and the draw `uniform(seed, step)`. `temperature` 0 is greedy: `k` must be 1 then;
+/// otherwise `k` is `top_k`, in 1..=1024.
+/// Grid: one block; block: a power of two from 64 to 1024 threads; shared: 4 * 4256 bytes.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn sample(
     out: *mut u32,
-    logits: *mut f32,
-    n: u32,
-    recent: *const u32,
-    window: u32,
-    penalty: f32,
+    cand_v: *const f32,
+    cand_i: *const u32,
+    slots: u32,
+    k: u32,
     temperature: f32,
-    top_k: u32,
     top_p: f32,
     min_p: f32,
     seed: u64,
     step: u64,
 ) {
     let token = choose(
-        logits,
-        n,
-        recent,
-        window,
-        penalty,
+        cand_v,
+        cand_i,
+        slots,
+        k,
         temperature,
-        top_k,
         top_p,
         min_p,
         seed,
@@ -82,24 +148,23 @@ pub unsafe extern "gpu-kernel" fn sample(
 }
 
 /// `sample` for a decode step with every per-step value in device memory, so that a captured
-/// CUDA graph replays it: the tokens so far are `tokens[..=pos[0]]` (the penalty looks at the
-/// last `repeat_last_n` of them) and the draw is `uniform(seed, step[0])`. The token goes to
-/// `out[0]` and to `tokens[pos[0] + 1]` (the next step's input; not written when that is past
-/// `n_tokens`, the buffer's length), then `pos[0]` and `step[0]` advance by one.
-/// `pos[0] >= n_tokens` traps. Grid, block and shared memory as `sample`.
+/// CUDA graph replays it, after `sample_candidates` with the same `tokens`, `n_tokens` and
+/// `pos`: the draw is `uniform(seed, step[0])`. The token goes to `out[0]` and to
+/// `tokens[pos[0] + 1]` (the next step's input; not written when that is past `n_tokens`, the
+/// buffer's length), then `pos[0]` and `step[0]` advance by one. `pos[0] >= n_tokens` traps.
+/// Grid, block and shared memory as `sample`.
 #[unsafe(no_mangle)]
 pub unsafe extern "gpu-kernel" fn sample_dev(
     out: *mut u32,
-    logits: *mut f32,
-    n: u32,
+    cand_v: *const f32,
+    cand_i: *const u32,
+    slots: u32,
+    k: u32,
     tokens: *mut u32,
     n_tokens: u32,
     pos: *mut u32,
     step: *mut u64,
-    repeat_last_n: u32,
-    penalty: f32,
     temperature: f32,
-    top_k: u32,
     top_p: f32,
     min_p: f32,
     seed: u64,
@@ -108,16 +173,12 @@ pub unsafe extern "gpu-kernel" fn sample_dev(
     if p0 >= n_tokens {
         unsafe { core::arch::nvptx::trap() };
     }
-    let window = (p0 + 1).min(repeat_last_n);
-    let recent = unsafe { tokens.add((p0 + 1 - window) as usize) };
     let token = choose(
-        logits,
-        n,
-        recent,
-        window,
-        penalty,
+        cand_v,
+        cand_i,
+        slots,
+        k,
         temperature,
-        top_k,
         top_p,
         min_p,
         seed,
@@ -136,37 +197,32 @@ pub unsafe extern "gpu-kernel" fn sample_dev(
     }
 }
 
-/// The token of `sample`'s steps, valid in thread 0. Every thread of the block calls it.
+/// The token of `sample`'s steps 3 to 8 on the candidates, valid in thread 0. Every thread of
+/// the block calls it.
 #[allow(clippy::too_many_arguments)]
 fn choose(
-    logits: *mut f32,
-    n: u32,
-    recent: *const u32,
-    window: u32,
-    penalty: f32,
+    cand_v: *const f32,
+    cand_i: *const u32,
+    slots: u32,
+    k: u32,
     temperature: f32,
-    top_k: u32,
     top_p: f32,
     min_p: f32,
     seed: u64,
     step: u64,
 ) -> u32 {
     let (t, bd) = (thread(), block_dim());
-    if penalty != 1.0 && window > 0 {
-        repeat_penalty(logits, n, recent, window, penalty);
-    }
-    if temperature == 0.0 {
-        let (_, i) = scan_best(logits, n);
-        return if i == u32::MAX { 0 } else { i };
-    }
-    let (kth, need_eq) = kth_key(logits, n, top_k);
-    let count = gather(logits, n, kth, need_eq);
-    if count == 0 {
-        return 0;
-    }
     let sh = shared::<u32>();
     let cv = unsafe { sh.add(CAND_V) } as *mut f32;
     let ci = unsafe { sh.add(CAND_I) };
+    // Step 3: the top k of the candidates, which are in id order, so that position breaks ties
+    // as the id does.
+    let value = |j: u32| unsafe { *cand_v.add(j as usize) };
+    let id = |j: u32| unsafe { *cand_i.add(j as usize) };
+    let count = gather(&value, &id, slots, kth_key(&value, slots, k), cv, ci, MAX_K);
+    if count == 0 {
+        return 0;
+    }
     let at = |j: u32| unsafe { cv.add(j as usize) };
 
     // Steps 3 to 5: (logit - max) / temperature, the best at exactly 0, then softmax.
@@ -177,6 +233,11 @@ fn choose(
         j += bd;
     }
     let (max, _) = block_best(m, 0);
+    // Sampling never draws -inf (the CPU's candidates leave it out): none else, no token;
+    // otherwise its weight below is e^-inf = 0.
+    if max == f32::NEG_INFINITY && temperature != 0.0 {
+        return 0;
+    }
     let mut sum = 0.0;
     let mut j = t;
     while j < count {
@@ -290,27 +351,29 @@ fn scan_best(x: *const f32, n: u32) -> (f32, u32) {
     block_best(bv, bi)
 }
 
-/// Step 1: every distinct id below `n` of `recent[..window]` gets its logit divided by
-/// `penalty` if it is >= 0, multiplied if negative. An id repeated in the window is penalised
-/// once: the thread that first sets its bit in a shared bitmap of `n` bits does it.
-fn repeat_penalty(logits: *mut f32, n: u32, recent: *const u32, window: u32, penalty: f32) {
+/// Step 1 on the slice `x[..len]` of the logits, ids `lo..lo + len`: every distinct one of
+/// them in `recent[..window]` gets its logit divided by `penalty` if it is >= 0, multiplied if
+/// negative. An id repeated in the window is penalised once: the thread that first sets its
+/// bit in a shared bitmap of `len` bits does it.
+fn repeat_penalty(x: *mut f32, lo: u32, len: u32, recent: *const u32, window: u32, penalty: f32) {
     let (t, bd) = (thread(), block_dim());
     let bits = shared::<u32>();
     let mut w = t;
-    while w < n.div_ceil(32) {
+    while w < len.div_ceil(32) {
         unsafe { *bits.add(w as usize) = 0 };
         w += bd;
     }
     sync_threads();
     let mut j = t;
     while j < window {
-        let id = unsafe { *recent.add(j as usize) };
-        if id < n {
-            let bit = 1 << (id % 32);
+        // Ids below `lo` wrap to large numbers: outside the slice, as those past it are.
+        let r = unsafe { *recent.add(j as usize) }.wrapping_sub(lo);
+        if r < len {
+            let bit = 1 << (r % 32);
             // SAFETY: the word is in the block's shared memory, aligned, only used atomically here.
-            let word = unsafe { AtomicU32::from_ptr(bits.add(id as usize / 32)) };
+            let word = unsafe { AtomicU32::from_ptr(bits.add(r as usize / 32)) };
             if word.fetch_or(bit, Relaxed) & bit == 0 {
-                let l = unsafe { &mut *logits.add(id as usize) };
+                let l = unsafe { &mut *x.add(r as usize) };
                 *l = if *l < 0.0 { *l * penalty } else { *l / penalty };
             }
         }
@@ -320,20 +383,24 @@ fn repeat_penalty(logits: *mut f32, n: u32, recent: *const u32, window: u32, pen
     sync_threads();
 }
 
-/// A u32 that orders the logits as `better` does: NaN and -inf give 0 (never candidates, as
-/// on the CPU), the rest 1 and up, with -0 equal to +0.
+/// A u32 that orders the logits as `better` does: NaN gives 0 (never a candidate), the rest
+/// 1 and up, -inf lowest (the CPU's greedy arg-max takes it when nothing beats it; sampling
+/// drops it in `choose`), with -0 equal to +0.
 fn key(v: f32) -> u32 {
-    if v.is_nan() || v == f32::NEG_INFINITY {
+    if v.is_nan() {
         return 0;
     }
     let b = (v + 0.0).to_bits();
     if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
 }
 
-/// Step 3's threshold by radix select over the keys, 11 + 11 + 10 bits: the key of the k-th
-/// best logit and how many logits with that key belong to the top k (those with higher keys
-/// all do). `(0, 0)` when fewer than `k` logits are valid: then all of them are in.
-fn kth_key(logits: *const f32, n: u32, k: u32) -> (u32, u32) {
+/// Which of `value(0..len)` are their top `k` (by `better`, position breaking ties), by radix
+/// select over the keys, 11 + 11 + 10 bits: `(prefix, mask, need)` such that the top k are the
+/// valid values whose `key & mask` is above `prefix`, then the first `need` by position whose
+/// `key & mask` equals it. The select stops at the first digit whose bin holds exactly the
+/// values still needed (then all of the bin is in). `(0, 0, u32::MAX)`, all valid values, when
+/// fewer than `k` are valid.
+fn kth_key(value: &impl Fn(u32) -> f32, len: u32, k: u32) -> (u32, u32, u32) {
     let sh = shared::<u32>();
     let (t, bd) = (thread(), block_dim());
     let (lane, warp, warps) = (t % WARP, t / WARP, bd / WARP);
@@ -358,8 +425,8 @@ fn kth_key(logits: *const f32, n: u32, k: u32) -> (u32, u32) {
         }
         sync_threads();
         let mut i = t;
-        while i < n {
-            let key = key(unsafe { *logits.add(i as usize) });
+        while i < len {
+            let key = key(value(i));
             if key != 0 && key & mask == prefix {
                 // SAFETY: a shared word, only used atomically in this loop.
                 let bin = unsafe { AtomicU32::from_ptr(hist((key >> shift) & digit_mask)) };
@@ -388,9 +455,14 @@ fn kth_key(logits: *const f32, n: u32, k: u32) -> (u32, u32) {
             unsafe { *sh.add(WARP_COUNTS + warp as usize) = above };
         }
         sync_threads();
-        for w in warp + 1..warps {
-            above += unsafe { *sh.add(WARP_COUNTS + w as usize) };
-        }
+        // Plus the warps after this one: all of them less those up to this one.
+        let c = if lane < warps {
+            unsafe { *sh.add(WARP_COUNTS + lane as usize) }
+        } else {
+            0
+        };
+        let upto = warp_prefix(c);
+        above += from_lane(upto, WARP - 1) - from_lane(upto, warp);
         above -= own;
         // The one thread whose bins hold the rem-th best key finds its bin, from the top.
         if above < rem && rem <= above + own {
@@ -402,6 +474,7 @@ fn kth_key(logits: *const f32, n: u32, k: u32) -> (u32, u32) {
                     unsafe {
                         *var(DIGIT) = b;
                         *var(REMAINING) = rem - above;
+                        *var(WHOLE) = (rem - above == c) as u32;
                     }
                     break;
                 }
@@ -409,83 +482,114 @@ fn kth_key(logits: *const f32, n: u32, k: u32) -> (u32, u32) {
             }
         }
         sync_threads();
-        let digit = unsafe { *var(DIGIT) };
+        let (digit, remaining, whole) = unsafe { (*var(DIGIT), *var(REMAINING), *var(WHOLE)) };
+        // Everyone has read the slots before the next pass (or select) writes them.
+        sync_threads();
         if digit == NONE {
             // Only on the first pass, when fewer than k keys are valid.
-            return (0, 0);
+            return (0, 0, u32::MAX);
         }
         prefix |= digit << shift;
         mask |= digit_mask << shift;
-        rem = unsafe { *var(REMAINING) };
-        // Everyone has read the slots before the next pass resets them.
-        sync_threads();
+        rem = remaining;
+        if whole == 1 {
+            break;
+        }
         top = shift;
     }
-    (prefix, rem)
+    (prefix, mask, rem)
 }
 
-/// Step 3's candidates (logit, id) into shared memory, in no particular order: every logit
-/// with a key above `kth` and the `need_eq` lowest ids with key `kth` (the CPU's tie rule).
-/// Returns their number.
-fn gather(logits: *const f32, n: u32, kth: u32, need_eq: u32) -> u32 {
+/// The top k of `kth_key`'s answer `(prefix, mask, need)` for `value(0..len)`: each one's
+/// value and `id(j)` into `out_v`/`out_i[..cap]`, in position order. Returns their number
+/// (at most `cap`). Ends with a barrier, so that the block may read them next.
+fn gather(
+    value: &impl Fn(u32) -> f32,
+    id: &impl Fn(u32) -> u32,
+    len: u32,
+    (prefix, mask, need): (u32, u32, u32),
+    out_v: *mut f32,
+    out_i: *mut u32,
+    cap: u32,
+) -> u32 {
     let sh = shared::<u32>();
     let (t, bd) = (thread(), block_dim());
     let (lane, warp, warps) = (t % WARP, t / WARP, bd / WARP);
-    let count = unsafe { sh.add(VARS + COUNT) };
-    if t == 0 {
-        unsafe { *count = 0 };
-    }
-    sync_threads();
-    let push = |v: f32, i: u32| {
-        // SAFETY: a shared word, only used atomically until the sync at the end.
-        let slot = unsafe { AtomicU32::from_ptr(count) }.fetch_add(1, Relaxed);
-        if slot < MAX_K {
-            unsafe {
-                *(sh.add(CAND_V + slot as usize) as *mut f32) = v;
-                *sh.add(CAND_I + slot as usize) = i;
-            }
-        }
-    };
-    // Ids with key `kth` are ranked in id order: block by block, by the warps' counts and
-    // each lane's place in its warp. `taken` is the same in every thread.
-    let mut taken = 0;
+    let below = (1u32 << lane) - 1;
+    // Block by block of positions: each warp counts its values above and at the threshold,
+    // then every thread adds up the warps before its own. `written` and `taken` (how many at
+    // the threshold came before, kept or not) are the same in every thread. The counts go to
+    // two sets of slots in turn: a warp writes a set again only after the barrier of the next
+    // block, which every thread passes after reading the set.
+    let (mut written, mut taken) = (0u32, 0u32);
+    let mut counts = WARP_COUNTS;
     let mut base = 0;
-    while base < n {
-        let i = base + t;
-        let v = if i < n {
-            unsafe { *logits.add(i as usize) }
-        } else {
-            f32::NAN
-        };
+    while base < len {
+        let j = base + t;
+        let v = if j < len { value(j) } else { f32::NAN };
         let key = key(v);
-        if key > kth {
-            push(v, i);
+        let above = key != 0 && key & mask > prefix;
+        let at = key != 0 && key & mask == prefix;
+        let (above_votes, at_votes) = unsafe { (ballot(!0, above), ballot(!0, at)) };
+        if lane == 0 {
+            let c = above_votes.count_ones() | at_votes.count_ones() << 16;
+            unsafe { *sh.add(counts + warp as usize) = c };
         }
-        if taken < need_eq {
-            let eq = key == kth;
-            let votes = unsafe { ballot(0xffff_ffff, eq) };
-            if lane == 0 {
-                unsafe { *sh.add(WARP_COUNTS + warp as usize) = votes.count_ones() };
+        sync_threads();
+        // Lane `w` takes warp `w`'s counts: the values at the threshold before that warp, and
+        // what it keeps of its own, in position order while fewer than `need` came before.
+        let c = if lane < warps {
+            unsafe { *sh.add(counts + lane as usize) }
+        } else {
+            0
+        };
+        let (c_above, c_at) = (c & 0xffff, c >> 16);
+        let at_upto = warp_prefix(c_at);
+        let at_before = taken + at_upto - c_at;
+        let kept = c_above + c_at.min(need.saturating_sub(at_before));
+        let kept_upto = warp_prefix(kept);
+        // This warp's share, from its lane of the others' counts.
+        let rank = from_lane(at_before, warp) + (at_votes & below).count_ones();
+        let keep = above || (at && rank < need);
+        let slot = written
+            + from_lane(kept_upto - kept, warp)
+            + (unsafe { ballot(!0, keep) } & below).count_ones();
+        if keep && slot < cap {
+            unsafe {
+                *out_v.add(slot as usize) = v;
+                *out_i.add(slot as usize) = id(j);
             }
-            sync_threads();
-            let (mut before, mut all) = (0, 0);
-            for w in 0..warps {
-                let c = unsafe { *sh.add(WARP_COUNTS + w as usize) };
-                before += if w < warp { c } else { 0 };
-                all += c;
-            }
-            let rank = taken + before + (votes & ((1 << lane) - 1)).count_ones();
-            if eq && rank < need_eq {
-                push(v, i);
-            }
-            taken += all;
-            // The counts are rewritten for the next block of ids.
-            sync_threads();
         }
+        written += from_lane(kept_upto, WARP - 1);
+        taken += from_lane(at_upto, WARP - 1);
+        counts = if counts == WARP_COUNTS {
+            WARP_COUNTS + 32
+        } else {
+            WARP_COUNTS
+        };
         base += bd;
     }
     sync_threads();
-    unsafe { *count }.min(MAX_K)
+    written.min(cap)
+}
+
+/// The sum of `v` over lanes 0 to this one of the warp.
+fn warp_prefix(mut v: u32) -> u32 {
+    let lane = thread() % WARP;
+    let mut delta = 1;
+    while delta < WARP {
+        let o = unsafe { shfl_up_i32(!0, v as i32, delta, 0) } as u32;
+        if lane >= delta {
+            v += o;
+        }
+        delta *= 2;
+    }
+    v
+}
+
+/// `v` of lane `lane` of this warp.
+fn from_lane(v: u32, lane: u32) -> u32 {
+    unsafe { shfl_idx_i32(!0, v as i32, lane, 0x1f) as u32 }
 }
 
 /// Sorts the first `len` (a power of two, at most 1024) candidates best first by `better`:

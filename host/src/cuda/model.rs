@@ -81,6 +81,8 @@ struct Buffers {
     step: CudaSlice<u64>,
     /// Scratch of the output projection's fused arg-max.
     best: CudaSlice<u64>,
+    /// The sampler's candidates, each slice's top k.
+    cands: CudaSlice<u32>,
 }
 
 /// One decode step captured as a CUDA graph, with the sampling it was captured for.
@@ -199,6 +201,7 @@ impl CudaModel {
             attn: dev.attention_scratch(cfg.n_heads, cfg.head_dim)?,
             step: dev.zeros(1)?,
             best: dev.logits_scratch()?,
+            cands: dev.sample_scratch(cfg.vocab)?,
         };
         Ok(CudaModel {
             token_embd: {
@@ -310,6 +313,7 @@ impl CudaModel {
                 &mut b.pos,
                 &mut b.step,
                 p,
+                &mut b.cands,
             )?;
         }
         let next = self.dev.download(&self.buf.next)?[0];
@@ -414,6 +418,7 @@ impl CudaModel {
                 &mut b.pos,
                 &mut b.step,
                 p,
+                &mut b.cands,
             )
         }
     }

@@ -1,14 +1,23 @@
 //! Launch helpers for token choice: greedy argmax and the full sampler, both leaving the token
 //! id on the device.
-use cudarc::driver::{CudaFunction, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 
 use super::{Device, check};
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
-/// The `sample` kernel's shared memory in 4-byte words, apart from the penalty's bitmap
-/// (see the layout in gpu-kernels/src/sampling.rs).
-const SAMPLE_SHARED_WORDS: usize = 4224;
+/// Slices of the vocabulary in `sample_candidates`, one block each: about two per SM of an H100
+/// (132 SMs), so that all run at once, each over ~600 of Qwen's 151,936 logits. More slices
+/// shorten the blocks but lengthen the second kernel's pass over `SLICES * top_k` candidates.
+const SLICES: usize = 256;
+/// Threads per block of `sample_candidates`: a few per logit of a slice.
+const CANDIDATES_THREADS: u32 = 256;
+/// Shared memory of `sample_candidates` and of `sample` in 4-byte words, apart from the
+/// penalty's bitmap (see the layout in gpu-kernels/src/sampling.rs).
+const CANDIDATES_SHARED_WORDS: usize = 2208;
+const SAMPLE_SHARED_WORDS: usize = 4256;
 /// Shared memory a block may have without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
@@ -43,12 +52,23 @@ impl Device {
         p.temperature == 0.0 || (1..=Self::MAX_TOP_K).contains(&p.top_k)
     }
 
+    /// The scratch of `sample` and `sample_dev` for up to `vocab` logits: every slice's
+    /// candidates, `2 * SLICES * min(MAX_TOP_K, slice)` u32 (the values' bits, then the ids).
+    /// Allocate it once: the samplers allocate nothing, so that they can be captured in a graph.
+    pub fn sample_scratch(&self, vocab: usize) -> Result<CudaSlice<u32>> {
+        let (_, cap) = slicing(vocab, Self::MAX_TOP_K);
+        self.zeros(2 * SLICES * cap)
+    }
+
     /// Picks the next token into `out[0]` as `sampling::sample` does (its twin) for the same
     /// logits, recent tokens, params and step, but for last-bit differences at a boundary.
     /// `logits` `[vocab]` get the repetition penalty in place. The tokens so far are
     /// `recent[..n_recent]` (the buffer may be longer); the penalty looks at the last
     /// `min(n_recent, repeat_last_n)` of them. `step` is the draw index of `uniform(seed, step)`.
-    /// One launch of one block, nothing allocated; `p` should have passed `validate`.
+    /// `scratch` from `sample_scratch` for at least `logits.len()`, used by one launch at a
+    /// time. Two launches (`sample_candidates`, `sample`), nothing allocated; `p` should have
+    /// passed `validate`.
+    #[allow(clippy::too_many_arguments)]
     pub fn sample(
         &self,
         out: &mut impl DevicePtrMut<u32>,
@@ -57,27 +77,27 @@ impl Device {
         n_recent: usize,
         p: &SamplingParams,
         step: u64,
+        scratch: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         check_can_sample(p)?;
-        let n = logits.len();
         check(
-            out.len() >= 1 && n <= u32::MAX as usize && n_recent <= recent.len(),
+            out.len() >= 1
+                && logits.len() <= u32::MAX as usize
+                && n_recent <= recent.len()
+                && n_recent <= u32::MAX as usize,
             "sample: shapes",
         )?;
-        let (f, cfg) = self.sample_launch("sample", n)?;
-        let window = n_recent.min(p.repeat_last_n);
-        let (o, _o) = out.device_ptr_mut(self.stream());
-        let (lp, _l) = logits.device_ptr_mut(self.stream());
         let (r, _r) = recent.device_ptr(self.stream());
-        let r = r + 4 * (n_recent - window) as u64;
-        let (n, window, top_k) = (n as u32, window as u32, top_k_arg(p));
+        let (v, i, slots, k) = self.sample_candidates(logits, scratch, r, n_recent as u32, 0, p)?;
+        let (f, cfg) = self.sample_launch("sample")?;
+        let (o, _o) = out.device_ptr_mut(self.stream());
         let mut l = self.stream().launch_builder(f);
-        l.arg(&o).arg(&lp).arg(&n).arg(&r).arg(&window);
-        l.arg(&p.repeat_penalty).arg(&p.temperature).arg(&top_k);
-        l.arg(&p.top_p).arg(&p.min_p).arg(&p.seed).arg(&step);
-        // SAFETY: parameters (u32*, f32*, u32, const u32*, u32, f32, f32, u32, f32, f32, u64,
-        // u64); it reads and writes n logits, reads `window` tokens that end at
-        // recent[n_recent] (checked in bounds), writes out[0]; shared memory as documented.
+        l.arg(&o).arg(&v).arg(&i).arg(&slots).arg(&k);
+        l.arg(&p.temperature).arg(&p.top_p).arg(&p.min_p);
+        l.arg(&p.seed).arg(&step);
+        // SAFETY: parameters (u32*, const f32*, const u32*, u32, u32, f32, f32, f32, u64,
+        // u64); it reads the `slots` candidates `sample_candidates` wrote to the scratch and
+        // writes out[0]; shared memory as documented.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
@@ -86,8 +106,10 @@ impl Device {
     /// captured CUDA graph replays it: the tokens so far are `tokens[..=pos[0]]` and the draw
     /// is `uniform(seed, step[0])`. The token goes to `out[0]` and to `tokens[pos[0] + 1]`
     /// (the next step's input, if the buffer holds it), then `pos[0]` and `step[0]` advance by
-    /// one. Picks the token `sample(out, logits, tokens, pos[0] + 1, p, step[0])` would.
-    /// `pos[0] >= tokens.len()` makes the kernel trap (an error at the next synchronisation).
+    /// one. Picks the token `sample(out, logits, tokens, pos[0] + 1, p, step[0], scratch)`
+    /// would. `pos[0] >= tokens.len()` makes the kernels trap (an error at the next
+    /// synchronisation).
+    #[allow(clippy::too_many_arguments)]
     pub fn sample_dev(
         &self,
         out: &mut impl DevicePtrMut<u32>,
@@ -96,51 +118,99 @@ impl Device {
         pos: &mut impl DevicePtrMut<u32>,
         step: &mut impl DevicePtrMut<u64>,
         p: &SamplingParams,
+        scratch: &mut impl DevicePtrMut<u32>,
     ) -> Result<()> {
         check_can_sample(p)?;
-        let n = logits.len();
         check(
             out.len() >= 1
                 && pos.len() >= 1
                 && step.len() >= 1
                 && tokens.len() >= 1
-                && n <= u32::MAX as usize
+                && logits.len() <= u32::MAX as usize
                 && tokens.len() <= u32::MAX as usize,
             "sample_dev: shapes",
         )?;
-        let (f, cfg) = self.sample_launch("sample_dev", n)?;
-        let (n, n_tokens, top_k) = (n as u32, tokens.len() as u32, top_k_arg(p));
-        let last_n = p.repeat_last_n.min(u32::MAX as usize) as u32;
+        let n_tokens = tokens.len() as u32;
         let stream = self.stream();
-        let (o, _o) = out.device_ptr_mut(stream);
-        let (lp, _l) = logits.device_ptr_mut(stream);
         let (tp, _t) = tokens.device_ptr_mut(stream);
         let (pp, _p) = pos.device_ptr_mut(stream);
+        let (v, i, slots, k) = self.sample_candidates(logits, scratch, tp, n_tokens, pp, p)?;
+        let (f, cfg) = self.sample_launch("sample_dev")?;
+        let (o, _o) = out.device_ptr_mut(stream);
         let (sp, _s) = step.device_ptr_mut(stream);
         let mut l = stream.launch_builder(f);
-        l.arg(&o)
-            .arg(&lp)
-            .arg(&n)
-            .arg(&tp)
-            .arg(&n_tokens)
-            .arg(&pp)
-            .arg(&sp);
-        l.arg(&last_n)
-            .arg(&p.repeat_penalty)
-            .arg(&p.temperature)
-            .arg(&top_k);
-        l.arg(&p.top_p).arg(&p.min_p).arg(&p.seed);
-        // SAFETY: parameters (u32*, f32*, u32, u32*, u32, u32*, u64*, u32, f32, f32, u32, f32,
-        // f32, u64); it reads and writes n logits, reads tokens[..=pos[0]] (below n_tokens or
-        // it traps), writes tokens[pos[0] + 1] only below n_tokens, out[0], pos[0] and
-        // step[0]; shared memory as documented.
+        l.arg(&o).arg(&v).arg(&i).arg(&slots).arg(&k);
+        l.arg(&tp).arg(&n_tokens).arg(&pp).arg(&sp);
+        l.arg(&p.temperature)
+            .arg(&p.top_p)
+            .arg(&p.min_p)
+            .arg(&p.seed);
+        // SAFETY: parameters (u32*, const f32*, const u32*, u32, u32, u32*, u32, u32*, u64*,
+        // f32, f32, f32, u64); it reads the `slots` candidates `sample_candidates` wrote to
+        // the scratch, pos[0] (below n_tokens or it traps) and step[0], writes
+        // tokens[pos[0] + 1] only below n_tokens, out[0], pos[0] and step[0]; shared memory
+        // as documented.
         unsafe { l.launch(cfg) }?;
         Ok(())
     }
 
-    /// The function and launch shape of the sampling kernel `name` over `n` logits: one block
-    /// of a power of two up to 1024 threads, with the candidates and the penalty's bitmap of
-    /// `n` bits in shared memory.
+    /// Launches `sample_candidates`: the penalty on `logits` and each slice's top k into
+    /// `scratch`, with the tokens so far `tokens[..n_tokens]`, or `tokens[..=pos[0]]` if the
+    /// device pointer `pos` is not 0. Returns the arguments that `sample` and `sample_dev`
+    /// take next: the candidates' values and ids (device pointers), their number and k.
+    fn sample_candidates(
+        &self,
+        logits: &mut impl DevicePtrMut<f32>,
+        scratch: &mut impl DevicePtrMut<u32>,
+        tokens: u64,
+        n_tokens: u32,
+        pos: u64,
+        p: &SamplingParams,
+    ) -> Result<(u64, u64, u32, u32)> {
+        let n = logits.len();
+        let k = top_k_arg(p);
+        let (slice, cap) = slicing(n, k as usize);
+        let slots = SLICES * cap;
+        let shared_bytes = 4 * CANDIDATES_SHARED_WORDS.max(slice.div_ceil(32));
+        if shared_bytes > MAX_SHARED_BYTES {
+            return Err(Error::Invalid(format!(
+                "sample on the GPU handles vocabularies up to {} tokens, got {n}",
+                MAX_SHARED_BYTES * 8 * SLICES
+            )));
+        }
+        if 2 * slots > scratch.len() {
+            return Err(Error::Invalid(format!(
+                "sample: the scratch holds {} candidates, these logits and top_k need {slots} \
+                 (allocate it with sample_scratch for {n} logits)",
+                scratch.len() / 2
+            )));
+        }
+        let f = self.kernel("sample_candidates");
+        let cfg = LaunchConfig {
+            grid_dim: (SLICES as u32, 1, 1),
+            block_dim: (threads(f, CANDIDATES_THREADS, "sample_candidates")?, 1, 1),
+            shared_mem_bytes: shared_bytes as u32,
+        };
+        let (n, slice, cap) = (n as u32, slice as u32, cap as u32);
+        let last_n = p.repeat_last_n.min(u32::MAX as usize) as u32;
+        let stream = self.stream();
+        let (lp, _l) = logits.device_ptr_mut(stream);
+        let (v, _v) = scratch.device_ptr_mut(stream);
+        let i = v + 4 * slots as u64;
+        let mut l = stream.launch_builder(f);
+        l.arg(&v).arg(&i).arg(&cap).arg(&lp).arg(&n).arg(&slice);
+        l.arg(&tokens).arg(&n_tokens).arg(&pos).arg(&last_n);
+        l.arg(&p.repeat_penalty).arg(&k);
+        // SAFETY: parameters (f32*, u32*, u32, f32*, u32, u32, const u32*, u32, const u32*,
+        // u32, f32, u32); block b reads and writes logits [b * slice, (b + 1) * slice) below
+        // n (SLICES * slice >= n), writes values and ids [b * cap, (b + 1) * cap) of the
+        // scratch's 2 * SLICES * cap (checked above), reads pos[0] if pos is not 0 and then
+        // the tokens before n_tokens (or traps); the caller checked the tokens' bounds;
+        // shared memory as documented.
+        unsafe { l.launch(cfg) }?;
+        Ok((v, i, slots as u32, k))
+    }
+
     /// Ends a greedy decode step whose token `logits(.., best)` left in `out[0]`: writes it to
     /// `tokens[pos[0] + 1]` and advances `pos` and `step`, as `sample_dev` does. Graph-safe.
     pub fn advance(
@@ -176,30 +246,37 @@ impl Device {
         Ok(())
     }
 
-    fn sample_launch(&self, name: &str, n: usize) -> Result<(&CudaFunction, LaunchConfig)> {
-        let shared_bytes = 4 * SAMPLE_SHARED_WORDS.max(n.div_ceil(32));
-        if shared_bytes > MAX_SHARED_BYTES {
-            return Err(Error::Invalid(format!(
-                "sample on the GPU handles vocabularies up to {} tokens, got {n}",
-                MAX_SHARED_BYTES * 8
-            )));
-        }
+    /// The function and launch shape of the one-block sampling kernel `name`: a power of two
+    /// up to 1024 threads, with the candidates in shared memory.
+    fn sample_launch(&self, name: &str) -> Result<(&CudaFunction, LaunchConfig)> {
         let f = self.kernel(name);
-        // A power of two up to 1024 threads, fewer if the kernel's registers allow fewer.
-        let most = (f.max_threads_per_block()? as u32).min(1024);
-        let threads = if most >= 64 { 1 << most.ilog2() } else { 0 };
-        if threads == 0 {
-            return Err(Error::Cuda(format!(
-                "the {name} kernel runs at most {most} threads per block, it needs 64"
-            )));
-        }
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (threads, 1, 1),
-            shared_mem_bytes: shared_bytes as u32,
+            block_dim: (threads(f, 1024, name)?, 1, 1),
+            shared_mem_bytes: 4 * SAMPLE_SHARED_WORDS as u32,
         };
         Ok((f, cfg))
     }
+}
+
+/// `(slice, cap)` of the samplers for `n` logits and top-k `k`: each of the `SLICES` blocks
+/// of `sample_candidates` takes `slice` logits (the last ones fewer, or none) and keeps
+/// `cap` candidates, which is k unless the slice is smaller.
+fn slicing(n: usize, k: usize) -> (usize, usize) {
+    let slice = n.div_ceil(SLICES).max(1);
+    (slice, k.min(slice))
+}
+
+/// Threads per block for the sampling kernel `f` (`name`): a power of two up to `most`, fewer
+/// if its registers allow fewer, and at least 64.
+fn threads(f: &CudaFunction, most: u32, name: &str) -> Result<u32> {
+    let most = (f.max_threads_per_block()? as u32).min(most);
+    if most < 64 {
+        return Err(Error::Cuda(format!(
+            "the {name} kernel runs at most {most} threads per block, it needs 64"
+        )));
+    }
+    Ok(1 << most.ilog2())
 }
 
 /// An error unless `Device::can_sample(p)`.
@@ -215,7 +292,12 @@ fn check_can_sample(p: &SamplingParams) -> Result<()> {
     )))
 }
 
-/// The kernels' `top_k` (unused when greedy, where `p.top_k` may be anything).
+/// The kernels' `k`: `top_k`, or 1 when greedy (where `p.top_k` may be anything): the best
+/// logit is the one candidate, drawn with probability 1.
 fn top_k_arg(p: &SamplingParams) -> u32 {
-    p.top_k.min(Device::MAX_TOP_K) as u32
+    if p.temperature == 0.0 {
+        1
+    } else {
+        p.top_k.min(Device::MAX_TOP_K) as u32
+    }
 }
