@@ -179,17 +179,19 @@ impl Model {
         }
     }
 
-    /// Runs `tokens` (the end of `seq`, not yet in the cache) and picks the next token.
+    /// Runs `tokens` (the end of `seq`, not yet in the cache) and picks the next token;
+    /// `more`: another will be asked for unless this one ends the text.
     fn next_token(
         &mut self,
         tokens: &[u32],
         seq: &[u32],
         p: &SamplingParams,
         step: u64,
+        more: bool,
     ) -> Result<u32> {
         match self {
             Model::Cpu(m) => Ok(sample(&mut m.forward(tokens, false)?, seq, p, step)),
-            Model::Cuda(m) => m.next_token(tokens, p, step),
+            Model::Cuda(m) => m.next_token(tokens, p, step, more),
         }
     }
 }
@@ -410,10 +412,11 @@ impl Generation<'_> {
         } else {
             &self.seq[self.seq.len() - 1..]
         };
+        let more = n_gen + 1 < self.opts.max_tokens;
         let t = Instant::now();
         let id = self
             .model
-            .next_token(feed, &self.seq, &self.opts.sampling, n_gen as u64)?;
+            .next_token(feed, &self.seq, &self.opts.sampling, n_gen as u64, more)?;
         let took = t.elapsed().as_secs_f64();
         if first {
             self.prefill_s = took;

@@ -103,10 +103,10 @@ fn top2(row: &[f32]) -> (u32, u32, f32) {
 fn gpu_greedy(m: &mut CudaModel, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
     m.reset();
     let greedy = SamplingParams::greedy();
-    let mut out = vec![m.next_token(prompt, &greedy, 0).unwrap()];
+    let mut out = vec![m.next_token(prompt, &greedy, 0, true).unwrap()];
     while out.len() < n && !eos.contains(out.last().unwrap()) {
         let t = m
-            .next_token(&out[out.len() - 1..], &greedy, out.len() as u64)
+            .next_token(&out[out.len() - 1..], &greedy, out.len() as u64, true)
             .unwrap();
         out.push(t);
     }
@@ -132,7 +132,9 @@ fn gpu_follows_cpu(
     let (mut feed, mut out, mut ties) = (prompt.to_vec(), Vec::new(), 0);
     while out.len() < n {
         let (c, second, margin) = top2(&cpu.forward(&feed, false).unwrap());
-        let g = m.next_token(&feed, &greedy, out.len() as u64).unwrap();
+        let g = m
+            .next_token(&feed, &greedy, out.len() as u64, true)
+            .unwrap();
         let i = out.len();
         if margin < NEAR_TIE {
             ties += 1;

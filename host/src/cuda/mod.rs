@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits,
+    DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 
 use crate::{Error, Result};
@@ -109,6 +109,14 @@ impl Device {
 
     pub fn download<T: DeviceRepr, S: DevicePtr<T>>(&self, src: &S) -> Result<Vec<T>> {
         Ok(self.stream.clone_dtoh(src)?)
+    }
+
+    /// `len` values of page-locked host memory: a copy into it is asynchronous, so the host
+    /// can wait for that copy alone (an event after it) while later work runs.
+    pub(crate) fn pinned<T: DeviceRepr>(&self, len: usize) -> Result<PinnedHostSlice<T>> {
+        // SAFETY: the values are only read after a copy into them has completed. Flags 0:
+        // cached (not write-combined) memory, as the host reads it.
+        Ok(unsafe { self.ctx.alloc_pinned_with_flags(len, 0) }?)
     }
 
     /// The kernel called `name` (a bug in orcd if it is not in the PTX).

@@ -9,7 +9,7 @@
 use std::cell::{Cell, RefCell};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut};
+use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PinnedHostSlice};
 
 use super::{AttentionScratch, Device, GpuMatrix};
 use crate::config::Config;
@@ -114,6 +114,12 @@ pub struct CudaModel {
     /// The device holds `tokens[pos]`, `pos` and `step` for the next decode step: the last
     /// token was sampled there and is this one.
     device_next: Option<u32>,
+    /// The sampling of the decode step launched after the last token (on `tokens[pos]`), if
+    /// one was: the next call that continues with that token and sampling takes its result.
+    ahead: Option<SamplingParams>,
+    /// Where the chosen token is copied to, page-locked so that the copy does not wait for
+    /// the step launched after it.
+    next_host: PinnedHostSlice<u32>,
 }
 
 impl CudaModel {
@@ -217,6 +223,8 @@ impl CudaModel {
             max_ctx,
             free_before,
             graph: None,
+            ahead: None,
+            next_host: dev.pinned(1)?,
             device_next: None,
             cfg,
             dev,
@@ -263,11 +271,15 @@ impl CudaModel {
     pub fn reset(&mut self) {
         self.pos = 0;
         self.device_next = None;
+        self.ahead = None;
     }
 
     /// Runs `tokens` after the cache's end and returns the logits of the last token, or of every
     /// token (`[tokens.len(), vocab]`) when `all_logits`.
     pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        // The device's next token (and a step run ahead on it) no longer follow the cache.
+        self.device_next = None;
+        self.ahead = None;
         let vocab = self.cfg.vocab;
         let mut logits = Vec::with_capacity(if all_logits {
             tokens.len() * vocab
@@ -286,15 +298,34 @@ impl CudaModel {
 
     /// Runs `tokens` and picks the next token on the GPU, so that only its id crosses to the
     /// host. `step` numbers the draws of the sampler. One token after a token the GPU picked
-    /// is a decode step: the captured CUDA graph, replayed. Anything else is a prefill.
-    pub fn next_token(&mut self, tokens: &[u32], p: &SamplingParams, step: u64) -> Result<u32> {
+    /// is a decode step: the captured CUDA graph, replayed. Anything else is a prefill. With
+    /// `more` (another token will be asked for, unless this one ends the text), the decode
+    /// step after this token is launched before the host reads it.
+    pub fn next_token(
+        &mut self,
+        tokens: &[u32],
+        p: &SamplingParams,
+        step: u64,
+        more: bool,
+    ) -> Result<u32> {
         if !Device::can_sample(p) {
-            self.device_next = None;
             let mut logits = self.forward(tokens, false)?;
             let recent = self.dev.download(&self.buf.tokens.slice(..self.pos))?;
             return Ok(crate::sampling::sample(&mut logits, &recent, p, step));
         }
-        if tokens.len() == 1 && self.device_next == Some(tokens[0]) && self.pos < self.max_ctx {
+        let continues = tokens.len() == 1 && self.device_next == Some(tokens[0]);
+        let ahead = self.ahead.take();
+        if continues && ahead.as_ref() == Some(p) {
+            // Launched behind the last token: it is running, or done.
+            self.pos += 1;
+        } else if continues && self.pos < self.max_ctx {
+            if ahead.is_some() {
+                // The step run ahead sampled otherwise: back to this step's position and draw
+                // (it wrote this position's keys and values as this step will).
+                let (dev, b) = (&self.dev, &mut self.buf);
+                dev.copy_to(&mut b.pos, &[self.pos as u32])?;
+                dev.copy_to(&mut b.step, &[step])?;
+            }
             self.decode(p)?;
             self.pos += 1;
         } else {
@@ -316,7 +347,17 @@ impl CudaModel {
                 &mut b.cands,
             )?;
         }
-        let next = self.dev.download(&self.buf.next)?[0];
+        // The token, copied before the next decode step is launched behind it: the GPU runs
+        // that step while the host handles this token (a step nobody asks for is dropped).
+        let stream = self.dev.stream().clone();
+        stream.memcpy_dtoh(&self.buf.next, &mut self.next_host)?;
+        let copied = stream.record_event(None)?;
+        if more && self.pos < self.max_ctx {
+            self.decode(p)?;
+            self.ahead = Some(p.clone());
+        }
+        copied.synchronize()?;
+        let next = self.next_host.as_slice()?[0];
         self.device_next = Some(next);
         Ok(next)
     }
