@@ -29,8 +29,8 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, with_weights};
 use crate::util::{
-    WARP, better, block, block_sum, exp, grid_dim, load_early, shared, sync_threads, thread,
-    threadfence,
+    WARP, better, block, block_sum, exp, grid_dim, load_early, prefetch_l2, shared, sync_threads,
+    thread, threadfence,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, and the RMSNorm's
@@ -136,6 +136,11 @@ unsafe fn attn_qkv_family<const F: u32>(
             if p >= max_pos {
                 unsafe { nvptx::trap() };
             }
+            // The attention after this kernel reads rows 0..=p of both caches, long evicted
+            // by the weights of the layers since: into L2 while the projections run.
+            let bytes = (p as usize + 1) * kv_dim * 4;
+            prefetch_l2(k_cache, bytes);
+            prefetch_l2(v_cache, bytes);
             (x, (s, p))
         };
         proj.run(&w, held, heads * half, n_in / 32, split, b - b0, blocks)

@@ -263,3 +263,19 @@ pub fn load_early(p: *const f32) -> f32 {
     };
     v
 }
+
+/// Brings `bytes` from `p` (global memory) into L2, one `prefetch.global.L2` per 128-byte line,
+/// the lines dealt over the grid's threads: data the next kernel reads arrives while this one
+/// runs. Every thread of a 1-D grid calls it.
+#[inline(always)]
+pub fn prefetch_l2(p: *const f32, bytes: usize) {
+    let (all, mut line) = (
+        (grid_dim() * block_dim()) as usize,
+        (block() * block_dim() + thread()) as usize,
+    );
+    while line * 128 < bytes {
+        let a = p.wrapping_byte_add(line * 128);
+        unsafe { asm!("prefetch.global.L2 [{0}];", in(reg64) a, options(nostack, readonly)) };
+        line += all;
+    }
+}
