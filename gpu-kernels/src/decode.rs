@@ -2,7 +2,8 @@
 //! the GEMV of matmul.rs (`gemv_units`) with the steps around it done in registers:
 //!
 //! - `attn_qkv`: RMSNorm, the q, k and v projections with their biases, NeoX RoPE on q and k,
-//!   and k and v into row `pos[0]` of the KV cache;
+//!   and k and v into row `pos[0]` of the KV cache (whose rows `0..=pos[0]` it also brings
+//!   into L2 for the attention kernel after it);
 //! - `ffn_gate_up`: RMSNorm and SwiGLU's `silu(w_gate·x)·(w_up·x)`;
 //! - `gemv_residual`: `y += w·v + bias`, the attention output and FFN down projections;
 //! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max.

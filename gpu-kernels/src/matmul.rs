@@ -23,7 +23,7 @@ pub(crate) struct Align16<T>(T);
 
 /// `bias[i]`, or 0 for a null bias.
 #[inline(always)]
-pub(crate) fn bias_at(bias: *const f32, i: usize) -> f32 {
+fn bias_at(bias: *const f32, i: usize) -> f32 {
     if bias.is_null() {
         0.0
     } else {
@@ -272,10 +272,11 @@ impl Held {
 /// past `n_chunks` count zeros. The first round's chunks are loaded before `held` runs (which
 /// may wait on a barrier), and each next round's before this round's are multiplied. The block
 /// runs rounds of `blockDim / 32 / split` units, block `block` of `blocks` striding over them.
-/// `out(unit, t)` runs on the one thread that finishes `unit` (with `held`'s `t`) before the
-/// unit's products, so that what it loads (a bias, the rows of `y` that it adds to) arrives
-/// while they are computed, and gives the finisher that takes the 2 dot products (for units
-/// past the end, `out` sees the last unit and its finisher is not called).
+/// `out(unit, t)` (with `held`'s `t`) runs in every thread before a round's products, for the
+/// unit the thread finishes (or its block's last), so that what it loads (a bias, the rows of
+/// `y` that it adds to) arrives while they are computed; the finisher it gives takes the 2 dot
+/// products, on the one thread that finishes `unit` (for units past the end, `out` sees the
+/// last unit and its finisher is not called).
 /// Every thread of the block must call it (with `split > 1` the meetings sync the block).
 /// Shared: 2 f32 per warp.
 #[allow(clippy::too_many_arguments)]
@@ -305,8 +306,13 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, F: FnOnce([f32; 2]), cons
     let mut first = block * per_block;
     let (mut a, mut b) = load(first);
     let (x, t) = held();
-    // The unit of the round that this thread finishes (`gemv_meet`'s `u`), if any.
-    let mine = if split == 1 { warp } else { thread() };
+    // The unit of the round that this thread finishes (`gemv_meet`'s `u`); a thread that
+    // finishes none takes the block's last, so that its loads stay in the block's own rows.
+    let mine = if split == 1 {
+        warp
+    } else {
+        thread().min(per_block - 1)
+    };
     while first < n_units {
         let (next_a, next_b) = load(first + stride);
         let finish = out((first + mine).min(n_units - 1), t);

@@ -14,8 +14,6 @@ use crate::util::{
 };
 
 unsafe extern "C" {
-    #[link_name = "llvm.nvvm.shfl.sync.down.i32"]
-    fn shfl_down_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
     #[link_name = "llvm.nvvm.shfl.sync.up.i32"]
     fn shfl_up_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
     #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
@@ -60,8 +58,8 @@ const NONE: u32 = u32::MAX;
 /// takes the logits `[b * slice, (b + 1) * slice)` (those below `n`), divides or multiplies
 /// (the penalty, in place) those of the distinct ids in the window, and writes the slice's top
 /// `k` (value, id), in id order, to `cand_v`/`cand_i[b * cap ..][..cap]`, NaN and id
-/// `u32::MAX` in the slots left over (`cap >= min(k, slice)`). NaN and -inf are never
-/// candidates. The tokens so far are `tokens[..n_tokens]`, or `tokens[..=pos[0]]` if `pos` is
+/// `u32::MAX` in the slots left over (`cap >= min(k, slice)`). NaN is never a candidate;
+/// -inf ranks below every finite logit (see `key`). The tokens so far are `tokens[..n_tokens]`, or `tokens[..=pos[0]]` if `pos` is
 /// not null (then `pos[0] >= n_tokens` traps); the window is the last `last_n` of them.
 /// Grid: `ceil(n / slice)` blocks or more; block: a power of two from 64 to 1024 threads;
 /// shared: 4 * max(2208, ceil(slice / 32)) bytes.
@@ -225,7 +223,7 @@ fn choose(
     }
     let at = |j: u32| unsafe { cv.add(j as usize) };
 
-    // Steps 3 to 5: (logit - max) / temperature, the best at exactly 0, then softmax.
+    // Steps 4 and 5: (logit - max) / temperature, the best at exactly 0, then softmax.
     let mut m = f32::NEG_INFINITY;
     let mut j = t;
     while j < count {
@@ -385,7 +383,7 @@ fn repeat_penalty(x: *mut f32, lo: u32, len: u32, recent: *const u32, window: u3
 
 /// A u32 that orders the logits as `better` does: NaN gives 0 (never a candidate), the rest
 /// 1 and up, -inf lowest (the CPU's greedy arg-max takes it when nothing beats it; sampling
-/// drops it in `choose`), with -0 equal to +0.
+/// gives it weight 0 in `choose`, or no token when nothing beats it), with -0 equal to +0.
 fn key(v: f32) -> u32 {
     if v.is_nan() {
         return 0;
@@ -442,15 +440,9 @@ fn kth_key(value: &impl Fn(u32) -> f32, len: u32, k: u32) -> (u32, u32, u32) {
         for b in lo..lo + per {
             own += unsafe { *hist(b) };
         }
-        let mut above = own;
-        let mut delta = 1;
-        while delta < WARP {
-            let o = unsafe { shfl_down_i32(0xffff_ffff, above as i32, delta, 0x1f) } as u32;
-            if lane + delta < WARP {
-                above += o;
-            }
-            delta *= 2;
-        }
+        // This lane's bins and the later lanes' (lane 0: the warp's).
+        let upto_own = warp_prefix(own);
+        let mut above = from_lane(upto_own, WARP - 1) - upto_own + own;
         if lane == 0 {
             unsafe { *sh.add(WARP_COUNTS + warp as usize) = above };
         }

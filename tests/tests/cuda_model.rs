@@ -34,6 +34,52 @@ fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
     )
 }
 
+/// `n` tokens sampled from `prompt` one `next_token` call at a time, with `sampling(i)` for
+/// token `i` and `more` as given; before token `bad`, a call with an id outside the vocabulary
+/// must fail.
+fn sampled_run(
+    m: &mut CudaModel,
+    prompt: &[u32],
+    n: usize,
+    more: bool,
+    sampling: impl Fn(usize) -> SamplingParams,
+    bad: Option<usize>,
+) -> Vec<u32> {
+    m.reset();
+    let mut out = vec![m.next_token(prompt, &sampling(0), 0, more).unwrap()];
+    while out.len() < n {
+        let (i, p) = (out.len(), sampling(out.len()));
+        if bad == Some(i) {
+            assert!(m.next_token(&[u32::MAX], &p, i as u64, more).is_err());
+        }
+        out.push(m.next_token(&out[i - 1..], &p, i as u64, more).unwrap());
+    }
+    out
+}
+
+/// The decode step run ahead of the host changes nothing but the time: sampled tokens are the
+/// same with it and without it, when the sampling changes half-way (the step run ahead is
+/// rolled back) and after a call that fails in between (the device is not left a step ahead).
+#[test]
+fn run_ahead_changes_no_token() {
+    let Some(mut m) = gpu_model(WeightFormat::Native) else {
+        return;
+    };
+    let prompt = &ref_prompts()[0].ids;
+    let sampling = |i: usize| SamplingParams {
+        seed: if i < 12 { 7 } else { 8 },
+        ..SamplingParams::default()
+    };
+    let plain = sampled_run(&mut m, prompt, 24, false, sampling, None);
+    assert_eq!(sampled_run(&mut m, prompt, 24, true, sampling, None), plain);
+    let failed = sampled_run(&mut m, prompt, 24, false, sampling, Some(6));
+    assert_eq!(
+        sampled_run(&mut m, prompt, 24, true, sampling, Some(6)),
+        failed
+    );
+    println!("run ahead: 24 sampled tokens as without it: {plain:?}");
+}
+
 /// Teacher-forced: feed prompt + reference generation, compare the top-1 at every generated
 /// position. Returns (agreeing positions, positions).
 fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {

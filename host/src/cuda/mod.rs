@@ -5,8 +5,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DevicePtrMut,
-    DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
 };
 
 use crate::{Error, Result};
@@ -117,6 +117,11 @@ impl Device {
         // SAFETY: the values are only read after a copy into them has completed. Flags 0:
         // cached (not write-combined) memory, as the host reads it.
         Ok(unsafe { self.ctx.alloc_pinned_with_flags(len, 0) }?)
+    }
+
+    /// An event, for the host to wait on one point of the stream.
+    pub(crate) fn event(&self) -> Result<CudaEvent> {
+        Ok(self.ctx.new_event(None)?)
     }
 
     /// The kernel called `name` (a bug in orcd if it is not in the PTX).

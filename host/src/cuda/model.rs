@@ -9,7 +9,9 @@
 use std::cell::{Cell, RefCell};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PinnedHostSlice};
+use cudarc::driver::{
+    CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PinnedHostSlice,
+};
 
 use super::{AttentionScratch, Device, GpuMatrix};
 use crate::config::Config;
@@ -111,15 +113,16 @@ pub struct CudaModel {
     free_before: usize,
     /// The decode step as a CUDA graph, captured at the first decode step.
     graph: Option<DecodeGraph>,
-    /// The device holds `tokens[pos]`, `pos` and `step` for the next decode step: the last
-    /// token was sampled there and is this one.
+    /// The device holds `tokens[pos]`, `pos` and `step` for the next decode step (one step
+    /// further while `ahead` is set): the last token was sampled there and is this one.
     device_next: Option<u32>,
     /// The sampling of the decode step launched after the last token (on `tokens[pos]`), if
     /// one was: the next call that continues with that token and sampling takes its result.
     ahead: Option<SamplingParams>,
     /// Where the chosen token is copied to, page-locked so that the copy does not wait for
-    /// the step launched after it.
+    /// the step launched after it, and the event after the copy.
     next_host: PinnedHostSlice<u32>,
+    next_copied: CudaEvent,
 }
 
 impl CudaModel {
@@ -225,6 +228,7 @@ impl CudaModel {
             graph: None,
             ahead: None,
             next_host: dev.pinned(1)?,
+            next_copied: dev.event()?,
             device_next: None,
             cfg,
             dev,
@@ -308,12 +312,18 @@ impl CudaModel {
         step: u64,
         more: bool,
     ) -> Result<u32> {
+        if tokens.is_empty() {
+            return Err(Error::Invalid("next_token: no tokens to run".into()));
+        }
         if !Device::can_sample(p) {
             let mut logits = self.forward(tokens, false)?;
             let recent = self.dev.download(&self.buf.tokens.slice(..self.pos))?;
             return Ok(crate::sampling::sample(&mut logits, &recent, p, step));
         }
-        let continues = tokens.len() == 1 && self.device_next == Some(tokens[0]);
+        // Taken, not read: a call that fails part-way leaves the next one a prefill, which sets
+        // the device's position and draw afresh.
+        let last = self.device_next.take();
+        let continues = tokens.len() == 1 && last == Some(tokens[0]);
         let ahead = self.ahead.take();
         if continues && ahead.as_ref() == Some(p) {
             // Launched behind the last token: it is running, or done.
@@ -349,14 +359,16 @@ impl CudaModel {
         }
         // The token, copied before the next decode step is launched behind it: the GPU runs
         // that step while the host handles this token (a step nobody asks for is dropped).
-        let stream = self.dev.stream().clone();
+        // The host waits on `next_copied`, recorded after the copy: with cudarc's event
+        // tracking off, the pinned buffer's own event is never recorded.
+        let stream = self.dev.stream();
         stream.memcpy_dtoh(&self.buf.next, &mut self.next_host)?;
-        let copied = stream.record_event(None)?;
+        self.next_copied.record(stream)?;
         if more && self.pos < self.max_ctx {
             self.decode(p)?;
             self.ahead = Some(p.clone());
         }
-        copied.synchronize()?;
+        self.next_copied.synchronize()?;
         let next = self.next_host.as_slice()?[0];
         self.device_next = Some(next);
         Ok(next)

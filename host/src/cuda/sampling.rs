@@ -12,7 +12,7 @@ use crate::{Error, Result};
 /// (132 SMs), so that all run at once, each over ~600 of Qwen's 151,936 logits. More slices
 /// shorten the blocks but lengthen the second kernel's pass over `SLICES * top_k` candidates.
 const SLICES: usize = 256;
-/// Threads per block of `sample_candidates`: a few per logit of a slice.
+/// Threads per block of `sample_candidates`: two or three logits of a slice each.
 const CANDIDATES_THREADS: u32 = 256;
 /// Shared memory of `sample_candidates` and of `sample` in 4-byte words, apart from the
 /// penalty's bitmap (see the layout in gpu-kernels/src/sampling.rs).
@@ -24,6 +24,8 @@ const MAX_SHARED_BYTES: usize = 48 * 1024;
 impl Device {
     /// The largest `top_k` that `sample` handles: its candidates are sorted in shared memory.
     pub const MAX_TOP_K: usize = 1024;
+    /// The slices of the vocabulary whose top k `sample_candidates` keeps.
+    pub const SAMPLE_SLICES: usize = SLICES;
 
     /// `out[0] = argmax(x)`. Twin: `cpu::argmax`.
     pub fn argmax(&self, out: &mut impl DevicePtrMut<u32>, x: &impl DevicePtr<f32>) -> Result<()> {
