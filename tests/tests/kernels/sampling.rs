@@ -295,10 +295,9 @@ fn greedy_matches_cpu_argmax() {
     }
 }
 
-#[test]
-fn ties_resolve_by_lowest_id() {
-    let Some(dev) = gpu() else { return };
-    let plain = |top_k, seed| SamplingParams {
+/// Top-k alone at temperature 1: no penalty, top-p or min-p.
+fn plain(top_k: usize, seed: u64) -> SamplingParams {
+    SamplingParams {
         temperature: 1.0,
         top_k,
         top_p: 1.0,
@@ -306,7 +305,12 @@ fn ties_resolve_by_lowest_id() {
         repeat_penalty: 1.0,
         repeat_last_n: 64,
         seed,
-    };
+    }
+}
+
+#[test]
+fn ties_resolve_by_lowest_id() {
+    let Some(dev) = gpu() else { return };
     // Equal logits: every weight is exp(0) / k on both sides, bit for bit, and the running
     // sums add the same numbers in the same order, so the GPU must agree with the CPU on
     // every draw; the candidates are ids 0..k.
@@ -701,15 +705,7 @@ fn slices_match_cpu() {
         ties[i as usize] = 30.0;
     }
     for top_k in [1, 14, 20, 25, 40] {
-        let p = SamplingParams {
-            temperature: 1.0,
-            top_k,
-            top_p: 1.0,
-            min_p: 0.0,
-            repeat_penalty: 1.0,
-            repeat_last_n: 64,
-            seed: 21,
-        };
+        let p = plain(top_k, 21);
         for step in 0..100 {
             let want = sampling::sample(&mut ties.clone(), &[], &p, step);
             let got = gpu_sample(&dev, &mut ties.clone(), &[], &p, step);
