@@ -715,14 +715,10 @@ mod tests {
         }
     }
 
-    const QUANTIZED: [GgmlType; 6] = [
-        GgmlType::Q4_0,
-        GgmlType::Q5_0,
-        GgmlType::Q8_0,
-        GgmlType::Q4K,
-        GgmlType::Q5K,
-        GgmlType::Q6K,
-    ];
+    /// The block-quantized types of `GgmlType::ALL`.
+    fn quantized() -> impl Iterator<Item = GgmlType> {
+        GgmlType::ALL.into_iter().filter(|t| t.block_elems() > 1)
+    }
 
     /// `n` blocks of `ty` with random quants and random finite f16 scales, and for each block
     /// the bound on |x| from the format: max |q·sc|·|d| + max m·|dmin|.
@@ -757,7 +753,7 @@ mod tests {
     #[test]
     fn finite_scales_give_finite_bounded_values() {
         let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
-        for ty in QUANTIZED {
+        for ty in quantized() {
             let (data, bounds) = random_blocks(ty, 10_000, &mut rng);
             let y = deq(ty, &data);
             for (i, (block, bound)) in y.chunks(ty.block_elems()).zip(bounds).enumerate() {
@@ -776,7 +772,7 @@ mod tests {
     #[test]
     fn f16_output_is_f32_output_rounded() {
         let mut rng = Rng(42);
-        for ty in QUANTIZED {
+        for ty in quantized() {
             // 3000 blocks span several parallel tasks and staging chunks.
             let (data, _) = random_blocks(ty, 3000, &mut rng);
             let y = deq(ty, &data);
