@@ -163,6 +163,31 @@ impl Kv {
             })
         }
     }
+
+    /// This thread's `N` staging units of K and of V for the keys from `k0` (`stage_unit`),
+    /// zeros from `end` on.
+    #[inline(always)]
+    fn stage<const D: usize, const N: usize, const VEC: bool>(
+        &self,
+        k0: u32,
+        end: u32,
+    ) -> ([[f32; 4]; N], [[f32; 4]; N]) {
+        let units = |cache| {
+            core::array::from_fn(|i| {
+                let (r, d) = stage_unit::<D>(i);
+                self.load4::<VEC>(cache, k0 + r, d, end)
+            })
+        };
+        (units(self.k), units(self.v))
+    }
+}
+
+/// Staging unit `t + 256 i` of thread `t` in a tile of keys with head dims padded to `D`:
+/// (key `u / (D / 4)`, floats `4 (u % (D / 4))..+4`).
+#[inline(always)]
+fn stage_unit<const D: usize>(i: usize) -> (u32, u32) {
+    let u = thread() as usize + THREADS as usize * i;
+    ((u / (D / 4)) as u32, (4 * (u % (D / 4))) as u32)
 }
 
 /// Copies `k, v = [rows, kv_dim]` into rows `pos[0]..pos[0] + rows` of `k_cache, v_cache =
@@ -328,22 +353,8 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     let end = n_keys.min(first + chunk);
     let tiles = (end - first).div_ceil(TILE_KEYS);
 
-    // Unit `t + 256 i` of a tile is floats `4 (u % (D / 4))..+4` of its key `u / (D / 4)`.
-    let unit = |i: usize| {
-        let u = thread() as usize + THREADS as usize * i;
-        ((u / (D / 4)) as u32, (4 * (u % (D / 4))) as u32)
-    };
-    let load = |k0: u32| -> ([[f32; 4]; DPL], [[f32; 4]; DPL]) {
-        let kk = core::array::from_fn(|i| {
-            let (r, d) = unit(i);
-            kv.load4::<VEC>(kv.k, k0 + r, d, end)
-        });
-        let vv = core::array::from_fn(|i| {
-            let (r, d) = unit(i);
-            kv.load4::<VEC>(kv.v, k0 + r, d, end)
-        });
-        (kk, vv)
-    };
+    let unit = stage_unit::<D>;
+    let load = |k0: u32| kv.stage::<D, DPL, VEC>(k0, end);
 
     let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; DPL]);
     let mut staged = load(first);
@@ -655,26 +666,12 @@ unsafe fn prefill<const D: usize, const VEC: bool>(
         ]);
     });
 
-    // Staging: unit `t + 256 i` (i < 4) of a round's K (and V) is floats `4 (u % (D / 4))..+4`
-    // of the round's key `u / (D / 4)`; 16-byte chunk `j` of tile row `r` lies at chunk
-    // `j ^ (r % 8)`, so that the 8 rows one ldmatrix phase reads fall in distinct banks.
-    let unit = |i: usize| {
-        let u = thread() as usize + THREADS as usize * i;
-        ((u / (D / 4)) as u32, (4 * (u % (D / 4))) as u32)
-    };
+    // Staging: `stage_unit` `i` (< 4) of a round's K (and V); 16-byte chunk `j` of tile row
+    // `r` lies at chunk `j ^ (r % 8)`, so that the 8 rows one ldmatrix phase reads fall in
+    // distinct banks.
+    let unit = stage_unit::<D>;
     let chunk_at = |r: u32, j: u32| r * (2 * D as u32) + 16 * (j ^ (r % 8));
-    let load = |round: u32| -> ([[f32; 4]; 4], [[f32; 4]; 4]) {
-        let k0 = round * round_keys;
-        let kk = core::array::from_fn(|i| {
-            let (r, d) = unit(i);
-            kv.load4::<VEC>(kv.k, k0 + r, d, n_keys)
-        });
-        let vv = core::array::from_fn(|i| {
-            let (r, d) = unit(i);
-            kv.load4::<VEC>(kv.v, k0 + r, d, n_keys)
-        });
-        (kk, vv)
-    };
+    let load = |round: u32| kv.stage::<D, 4, VEC>(round * round_keys, n_keys);
     let base = shared_addr(shared::<F32x4>());
     // 4 floats as split halves at `at` (hi) and `at + tile_bytes` (lo).
     let store4 = |at: u32, x: [f32; 4]| {
