@@ -8,14 +8,17 @@
 //! Both attention kernels are written once, generic over the padded head dim `D` (64 or 128:
 //! shared tiles and registers are sized by it, dims from `head_dim` on are zeros) and `VEC`
 //! (`head_dim == D` and every buffer 16-byte aligned: vector loads and stores without bounds
-//! on the dims). Each kernel takes `D = 64` with `VEC` for head_dim 64 with aligned buffers
-//! (the model), and `D = 128` without for everything else (any head_dim 1..=128).
+//! on the dims). Both take `D = 64` with `VEC` for head_dim 64 with aligned buffers (the
+//! model), and `D = 128` without for everything else (any head_dim 1..=128): the prefill
+//! kernel picks at run time, the decode kernel is two (`attention_decode_hd64` and
+//! `attention_decode`) and the host picks.
 use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    F32x4, LO_SCALE, WARP, aligned, block, block_dim, exp, fma, grid_dim, ldmatrix4, mma, shared,
-    shared_addr, split_pair, store_shared2, sync_threads, thread, warp_max, warp_sum,
+    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, exp, fma, grid_dim,
+    ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
+    wait_prior_grids, warp_max, warp_sum,
 };
 
 /// Threads of a block of either attention kernel: 8 warps.
@@ -256,19 +259,35 @@ pub unsafe extern "gpu-kernel" fn attention_decode(
     max_pos: u32,
     scale: f32,
 ) {
-    let fast = head_dim == 64
-        && aligned(out, 16)
-        && aligned(q, 16)
-        && aligned(k_cache, 16)
-        && aligned(v_cache, 16)
-        && aligned(partials, 16);
     let a = (out, q, k_cache, v_cache, pos, partials, counters);
-    let n = (n_heads, n_kv, head_dim, max_pos, scale);
-    if fast {
-        unsafe { decode::<64, 2, true>(a, n) }
-    } else {
-        unsafe { decode::<128, 4, false>(a, n) }
+    unsafe { decode::<128, 4, false>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
+}
+
+/// `attention_decode` for `head_dim` 64 with `out`, `q`, the caches and `partials` 16-byte
+/// aligned (the host checks; traps on another head_dim): 16-byte loads throughout. A kernel of
+/// its own, so that it has only the registers its path needs (the generic path's combine
+/// holds twice as many), and its blocks fit on an SM beside the kernels before and after it.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "gpu-kernel" fn attention_decode_hd64(
+    out: *mut f32,
+    q: *const f32,
+    k_cache: *const f32,
+    v_cache: *const f32,
+    pos: *const u32,
+    partials: *mut f32,
+    counters: *mut u32,
+    n_heads: u32,
+    n_kv: u32,
+    head_dim: u32,
+    max_pos: u32,
+    scale: f32,
+) {
+    if head_dim != 64 {
+        unsafe { nvptx::trap() };
     }
+    let a = (out, q, k_cache, v_cache, pos, partials, counters);
+    unsafe { decode::<64, 2, true>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
 }
 
 type DecodePtrs = (
@@ -317,6 +336,9 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     let ps = unsafe { qs.add(8 * D) }; // [8][32]
     let is_last = unsafe { ps.add(8 * 32) } as *mut u32;
 
+    // Everything from here on is the kernels' before (q and the caches from attn_qkv).
+    wait_prior_grids();
+    allow_next_grid();
     // The query first: its loads do not wait for the position's.
     let my_q = unsafe { qs.add(warp as usize * D) };
     let d0 = lane * DPL as u32;

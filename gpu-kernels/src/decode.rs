@@ -11,10 +11,10 @@
 //! CPU twins: the compositions of `orcd::cpu::{rms_norm, matmul, rope_neox, silu_mul, add,
 //! argmax}` the forward pass runs.
 //!
-//! An RMSNorm ahead of a GEMV is no pass of its own: `w·(x·s ∘ g) = s·(w·(x ∘ g))`, so each
-//! lane holds its chunk of `x ∘ g` ([`Held`]), the block sums `x²` from the same loads, and the
-//! scale `s = 1/sqrt(mean(x²) + eps)` multiplies the finished products. The first round's
-//! weight loads are issued before the norm's barrier.
+//! An RMSNorm ahead of a GEMV is no pass of its own: `w·(x·s ∘ g) = s·(w·(x ∘ g))`, so the
+//! block stages `x ∘ g` in shared memory (`matmul::stage`) and sums `x²` from the same loads,
+//! each lane takes its chunk ([`Held`]), and the scale `s = 1/sqrt(mean(x²) + eps)` multiplies
+//! the finished products. The first round's weight loads are issued before the norm's barrier.
 //!
 //! The weights are a matrix (packed, or plain floats) and its ggml type id; each block
 //! dispatches once on the id (`with_weights!`), so the loops are monomorphised per format. The
@@ -28,15 +28,15 @@ use core::cell::Cell;
 use core::intrinsics::sqrtf32;
 use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
-use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, with_weights};
+use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
 use crate::util::{
-    WARP, better, block, block_sum, exp, grid_dim, load_early, prefetch_l2, shared, sync_threads,
-    thread, threadfence,
+    better, block, block_sum, exp, grid_dim, load_early, prefetch_l2, shared, sync_threads, thread,
+    threadfence,
 };
 
-/// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, and the RMSNorm's
-/// scale `1/sqrt(mean(x²) + eps)` (correctly rounded square root and division, as the CPU's).
-/// Every thread of the block must call it (it syncs); shared: 32 f32.
+/// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block,
+/// and the RMSNorm's scale `1/sqrt(mean(x²) + eps)` (correctly rounded square root and
+/// division, as the CPU's). Every thread of the block must call it (it syncs).
 #[inline(always)]
 fn held_norm<W: Weights>(
     x: *const f32,
@@ -45,12 +45,10 @@ fn held_norm<W: Weights>(
     eps: f32,
     split: u32,
 ) -> (Held, f32) {
-    let (chunks, warp) = (n_in / 32, thread() / WARP);
-    let c = warp % split * WARP + thread() % WARP;
-    let (held, ss) = Held::load::<W, true>(x, g, lane_chunk(split, chunks), n_in);
-    // The warps of the block's first unit hold every chunk once: their squares make the sum.
-    let ss = if warp < split && c < chunks { ss } else { 0.0 };
-    (held, 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps))
+    let ss = stage::<W, true>(x, g, n_in);
+    // The sum's barrier also publishes the staged vector.
+    let s = 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps);
+    (Held::staged(lane_chunk(split, n_in / 32)), s)
 }
 
 /// `bias[r]` by `load_early`, or 0 for a null bias.
@@ -72,7 +70,7 @@ fn bias_early(bias: *const f32, r: usize) -> f32 {
 /// Units are the rows `i` and `i + head_dim/2` of a head, which RoPE rotates together.
 /// Grid: `q_blocks + 2·kv_blocks`: the first `q_blocks` blocks compute q, the next `kv_blocks`
 /// k, the last `kv_blocks` v, each block `blockDim / 32 / split` units at a time. Block: a
-/// multiple of `32·split` threads; shared: 32 f32 (and 2 per warp).
+/// multiple of `32·split` threads; shared: as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn attn_qkv_family<const F: u32>(
@@ -212,7 +210,7 @@ impl Qkv {
 /// (`n_in` long) and `silu(g) = g / (1 + e^-g)`, `e^x` by `ex2.approx` as in `silu_mul`. Gate
 /// and up have the one type id `ty`. Units are rows `r` of both matrices, so that the two
 /// products meet in registers. Grid: any number of blocks (they stride over the rows); block:
-/// a multiple of `32·split` threads; shared: 32 f32.
+/// a multiple of `32·split` threads; shared: as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn ffn_gate_up_family<const F: u32>(
@@ -243,7 +241,8 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
 /// place on the residual stream. Units are pairs of rows. Grid: any number of blocks (they
-/// stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
+/// stride over the units); block: a multiple of `32·split` threads; shared: as
+/// `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemv_residual_family<const F: u32>(
@@ -260,7 +259,11 @@ unsafe fn gemv_residual_family<const F: u32>(
     let c = lane_chunk(split, chunks);
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
-        let held = || Held::load::<W, true>(v, core::ptr::null(), c, n_in);
+        let held = || {
+            stage::<W, true>(v, core::ptr::null(), n_in);
+            sync_threads();
+            (Held::staged(c), ())
+        };
         let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
         // The rows of y (and the bias) are loaded before the products, added after.
         let out = |u: u32, _| {
@@ -276,7 +279,7 @@ unsafe fn gemv_residual_family<const F: u32>(
             }
         };
         let units = n_out.div_ceil(2);
-        gemv_units::<W, f32, _, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, (), _, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
     })
 }
 
@@ -288,7 +291,7 @@ unsafe fn gemv_residual_family<const F: u32>(
 /// block to finish (by the count in `scratch[1]`) writes `best[0]` and zeroes both words for
 /// the next launch. `scratch` = 2 u64, zero before the first launch.
 /// Grid: any number of blocks (they stride over the units); block: a multiple of `32·split`
-/// threads (at most 32 warps); shared: 32 f32.
+/// threads (at most 32 warps); shared: as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn logits_family<const F: u32>(

@@ -12,8 +12,9 @@ use core::arch::asm;
 
 use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0};
 use crate::util::{
-    F32x4, LO_SCALE, WARP, aligned, block, block_dim, fma, grid_dim, ldmatrix4, mma, shared,
-    shared_addr, split, store_shared2, store_shared4, sync_threads, thread, warp_sum,
+    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, fma, grid_dim, ldmatrix4,
+    mma, shared, shared_addr, split, store_shared2, store_shared4, sync_threads, thread,
+    wait_prior_grids, warp_sum, warp_sum4,
 };
 
 /// `T` 16-byte aligned: a vector load of 8 plain floats (16 bytes of f16, 32 of f32).
@@ -203,65 +204,102 @@ macro_rules! with_weights {
 }
 pub(crate) use with_weights;
 
-/// The 32 elements of the vector that a GEMV lane multiplies its chunk of every row by, loaded
-/// once and kept in registers (times the weights' `X_SCALE`), and the sums of its two halves.
+/// The 32 elements of the vector that a GEMV lane multiplies its chunk of every row by (times
+/// the weights' `X_SCALE`), read from the block's [`stage`]d copy, and the sums of its two
+/// halves.
 pub(crate) struct Held {
     pub(crate) x: [f32; 32],
     pub(crate) sum: [f32; 2],
 }
 
-impl Held {
-    /// Elements `32c..32c + 32` of `x` (`n` long), times those of `g` unless `g` is null (an
-    /// RMSNorm's weights), and the sum of their squares in `x` (0 without `g`). `VEC`: `x` and
-    /// `g` 16-byte aligned and `n % 32 == 0`; else element by element, zeros past `n`.
-    #[inline(always)]
-    pub(crate) fn load<W: Weights, const VEC: bool>(
-        x: *const f32,
-        g: *const f32,
-        c: u32,
-        n: u32,
-    ) -> (Held, f32) {
-        let k0 = 32 * c as usize;
-        let n = n as usize;
-        // Four floats at `k` of `p`: one vector load, or element by element up to `n`.
-        let load4 = |p: *const f32, k: usize| -> [f32; 4] {
-            if VEC {
-                unsafe { *(p.add(k) as *const F32x4) }.0
-            } else {
-                let at = |j: usize| {
-                    if k + j < n {
-                        unsafe { *p.add(k + j) }
-                    } else {
-                        0.0
-                    }
-                };
-                [at(0), at(1), at(2), at(3)]
-            }
-        };
-        let mut v = [0.0f32; 32];
-        for q in 0..8 {
-            v[4 * q..4 * q + 4].copy_from_slice(&load4(x, k0 + 4 * q));
-        }
-        let mut ss = 0.0;
-        if !g.is_null() {
-            for q in 0..8 {
-                let g4 = load4(g, k0 + 4 * q);
-                for (j, g) in g4.iter().enumerate() {
-                    let x = v[4 * q + j];
-                    ss = fma(x, x, ss);
-                    v[4 * q + j] = x * g;
+/// Floats per chunk of the staged vector: its 32 elements, the sums of its halves and 2 of
+/// padding (a stride of 36 words puts the 8 lanes of each phase of a 16-byte shared load on
+/// distinct banks).
+const STAGED: usize = 36;
+
+/// Where the block's staged vector starts in its shared memory: after the slots of its
+/// reductions (`block_sum`'s 32 f32, `gemv_meet`'s 2 per warp), 16-byte aligned. The host
+/// sizes it the same way (`orcd::cuda` `gemv_shared`).
+#[inline(always)]
+fn staging() -> *mut f32 {
+    let slots = (2 * block_dim() / WARP).max(32).next_multiple_of(4);
+    shared::<f32>().wrapping_add(slots as usize)
+}
+
+/// Stages `x` (`n` long) in shared memory for the block's GEMV lanes: element `32c + i` (times
+/// `g`'s unless `g` is null, an RMSNorm's weights; then times `W::X_SCALE`) at `STAGED·c + i`,
+/// the sums of chunk `c`'s halves (unscaled) at `STAGED·c + 32` and `+ 33`, zeros past `n` to
+/// a whole chunk. Each element is loaded once per block, not once per warp. Returns this
+/// thread's share of the sum of the squares of `x` (0 without `g`). Every thread of the block
+/// calls it; the staged vector may be read after the next barrier. `VEC`: `x` and `g` 16-byte
+/// aligned and `n % 32 == 0`. Shared (of the GEMV kernels): `max(32, 2·warps)` f32 (rounded up
+/// to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
+#[inline(always)]
+pub(crate) fn stage<W: Weights, const VEC: bool>(x: *const f32, g: *const f32, n: u32) -> f32 {
+    let (at, n) = (staging(), n as usize);
+    // Groups of 4 elements, 8 a chunk; a thread takes groups `thread() + k·blockDim`, so each
+    // half chunk is 4 neighbouring lanes, which add up their sums by two shuffles.
+    let groups = n.div_ceil(32) * 8;
+    let load4 = |p: *const f32, k: usize| -> [f32; 4] {
+        if VEC {
+            unsafe { *(p.add(k) as *const F32x4) }.0
+        } else {
+            core::array::from_fn(|j| {
+                if k + j < n {
+                    unsafe { *p.add(k + j) }
+                } else {
+                    0.0
                 }
+            })
+        }
+    };
+    let (mut ss, mut first) = (0.0, 0);
+    while first < groups {
+        let i = first + thread() as usize;
+        let live = i < groups;
+        // Dead groups load the last one again (in bounds) and count zeros.
+        let k = 4 * i.min(groups - 1);
+        let mut v = if VEC || k < n { load4(x, k) } else { [0.0; 4] };
+        if !g.is_null() {
+            let g4 = if VEC || k < n { load4(g, k) } else { [0.0; 4] };
+            for (v, g) in v.iter_mut().zip(g4) {
+                if live {
+                    ss = fma(*v, *v, ss);
+                }
+                *v *= g;
             }
         }
-        let half = |h: usize| v[16 * h..16 * h + 16].iter().fold(0.0, |s, v| s + v);
-        let sum = [half(0), half(1)];
-        (
-            Held {
-                x: v.map(|v| v * W::X_SCALE),
-                sum,
-            },
-            ss,
-        )
+        let sum = warp_sum4(if live {
+            (v[0] + v[1]) + (v[2] + v[3])
+        } else {
+            0.0
+        });
+        if live {
+            let c = unsafe { at.add(STAGED * (i / 8)) };
+            unsafe { *(c.add(4 * (i % 8)) as *mut F32x4) = F32x4(v.map(|v| v * W::X_SCALE)) };
+            if i % 4 == 0 {
+                unsafe { *c.add(32 + i % 8 / 4) = sum };
+            }
+        }
+        first += block_dim() as usize;
+    }
+    ss
+}
+
+impl Held {
+    /// Chunk `c` of the vector [`stage`]d in shared memory (after the barrier that follows it).
+    #[inline(always)]
+    pub(crate) fn staged(c: u32) -> Held {
+        let p = unsafe { staging().add(STAGED * c as usize) };
+        let mut x = [0.0f32; 32];
+        for q in 0..8 {
+            x[4 * q..4 * q + 4].copy_from_slice(&unsafe { *(p.add(4 * q) as *const F32x4) }.0);
+        }
+        let sums = unsafe { *(p.add(32) as *const F32x4) }.0;
+        Held {
+            x,
+            sum: [sums[0], sums[1]],
+        }
     }
 }
 
@@ -305,6 +343,9 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, F: FnOnce([f32; 2]), cons
     };
     let mut first = block * per_block;
     let (mut a, mut b) = load(first);
+    // Only the weights are read before the kernels this one may overlap have finished.
+    wait_prior_grids();
+    allow_next_grid();
     let (x, t) = held();
     // The unit of the round that this thread finishes (`gemv_meet`'s `u`); a thread that
     // finishes none takes the block's last, so that its loads stay in the block's own rows.
@@ -366,7 +407,11 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
 ) {
     let n_chunks = n_in.div_ceil(32);
     let c = lane_chunk(split, n_chunks);
-    let held = || Held::load::<W, VEC>(x, core::ptr::null(), c, n_in);
+    let held = || {
+        stage::<W, VEC>(x, core::ptr::null(), n_in);
+        sync_threads();
+        (Held::staged(c), ())
+    };
     let rows = |u: u32| {
         [
             (&w, 2 * u as usize),
@@ -383,7 +428,7 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
         }
     };
     let units = n_out.div_ceil(2);
-    gemv_units::<W, f32, _, VEC>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
+    gemv_units::<W, (), _, VEC>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
 }
 
 /// Where the `split` warps of each GEMV unit meet: `out(unit, sums)` runs once for each unit
@@ -858,7 +903,7 @@ unsafe fn mma_consume<W: Weights>(
 /// `$gemv(y, x, w, bias, n_in, n_out, split)`: `y[o] = w[o, :]·x + bias[o]` for one token;
 /// `bias` may be null. `split` warps per unit of two rows, `32·split >= ceil(n_in / 32)` (each
 /// lane one chunk of 32 weights per row). Grid: any number of blocks (they stride over the
-/// units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
+/// units); block: a multiple of `32·split` threads; shared: as `stage` says.
 ///
 /// `$gemm(y, x, w, bias, rows, n_in, n_out)`: `y[t, o] = x[t, :]·w[o, :] + bias[o]` for
 /// `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)` blocks;

@@ -48,6 +48,14 @@ pub fn warp_sum(mut v: f32) -> f32 {
     v
 }
 
+/// Sum over each group of 4 neighbouring lanes (lanes `4i..4i + 4`); every lane of the group
+/// gets it.
+#[inline(always)]
+pub fn warp_sum4(v: f32) -> f32 {
+    let v = v + unsafe { shfl_bfly_f32(FULL_MASK, v, 1, 0x1f) };
+    v + unsafe { shfl_bfly_f32(FULL_MASK, v, 2, 0x1f) }
+}
+
 /// Sum over the whole block (blockDim a multiple of 32, at most 1024); every thread gets it.
 /// Needs 32 f32 of dynamic shared memory.
 #[inline(always)]
@@ -278,4 +286,28 @@ pub fn prefetch_l2(p: *const f32, bytes: usize) {
         unsafe { asm!("prefetch.global.L2 [{0}];", in(reg64) a, options(nostack, readonly)) };
         line += all;
     }
+}
+
+/// Programmatic dependent launch (sm_90 and later; a no-op in the sm_80 build): waits until
+/// the grids this one was launched behind have finished and their writes are visible. A
+/// kernel launched with the host's overlap attribute calls it before it touches anything
+/// those grids read or write; until then it may only read what no kernel writes (weights).
+/// Launched without the attribute, it returns at once.
+#[inline(always)]
+pub fn wait_prior_grids() {
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!("griddepcontrol.wait;", options(nostack))
+    };
+}
+
+/// Lets the next grid in the stream, launched with the overlap attribute, start its blocks
+/// (its weight loads) while this one runs; called after [`wait_prior_grids`], so that at
+/// most two grids overlap. A no-op in the sm_80 build.
+#[inline(always)]
+pub fn allow_next_grid() {
+    #[cfg(target_feature = "sm_90")]
+    unsafe {
+        asm!("griddepcontrol.launch_dependents;", options(nostack))
+    };
 }

@@ -213,12 +213,26 @@ impl Device {
         let max_pos = (k_cache.len() / kv_dim) as u32;
         let hd = head_dim;
         let scale = 1.0 / (hd as f32).sqrt();
+        let stream = self.stream();
+        let (op, _o) = out.device_ptr_mut(stream);
+        let (qp, _q) = q.device_ptr(stream);
+        let (kc, _k) = k_cache.device_ptr(stream);
+        let (vc, _v) = v_cache.device_ptr(stream);
+        let (pp, _p) = pos.device_ptr(stream);
+        let (sp, _s) = scratch.partials.device_ptr_mut(stream);
+        let (cp, _c) = scratch.counters.device_ptr_mut(stream);
         let (name, grid, shared) = if rows == 1 {
             // The group's heads, one per warp, in as few blocks as hold them (`per_kv` as the
             // kernel computes it).
             let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
             let grid = (n_kv_heads * per_kv, DECODE_SPLITS);
-            ("attention_decode", grid, DECODE_SHARED_BYTES)
+            let vec = hd == 64 && [op, qp, kc, vc, sp].iter().all(|p| p % 16 == 0);
+            let name = if vec {
+                "attention_decode_hd64"
+            } else {
+                "attention_decode"
+            };
+            (name, grid, DECODE_SHARED_BYTES)
         } else {
             let grid = (rows.div_ceil(PREFILL_ROWS), n_heads);
             ("attention_prefill", grid, PREFILL_SHARED_BYTES)
@@ -228,16 +242,8 @@ impl Device {
             block_dim: (ATTN_THREADS, 1, 1),
             shared_mem_bytes: shared,
         };
-        let stream = self.stream();
-        let (op, _o) = out.device_ptr_mut(stream);
-        let (qp, _q) = q.device_ptr(stream);
-        let (kc, _k) = k_cache.device_ptr(stream);
-        let (vc, _v) = v_cache.device_ptr(stream);
-        let (pp, _p) = pos.device_ptr(stream);
-        let (sp, _s) = scratch.partials.device_ptr_mut(stream);
-        let (cp, _c) = scratch.counters.device_ptr_mut(stream);
         let (rows, n_heads, n_kv, hd) = (rows as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
-        let mut l = stream.launch_builder(self.kernel(name));
+        let mut l = self.launch(name);
         l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
         if rows == 1 {
             l.arg(&sp).arg(&cp);
@@ -255,8 +261,9 @@ impl Device {
         // 0..pos[0] + rows, below max_pos or they trap. Decode: partials hold [n_heads,
         // DECODE_SPLITS (the grid's y, <= 64), 4 + ceil4(head_dim)] and counters n_heads >=
         // the grid's x (the scratch's shape is checked). 256 threads and the shared memory
-        // the kernels' docs ask for.
-        unsafe { l.launch(cfg) }?;
+        // the kernels' docs ask for. The decode kernel calls `wait_prior_grids` before it
+        // touches memory, so it may overlap the kernel before it.
+        unsafe { l.run(cfg, rows == 1) }?;
         Ok(())
     }
 }

@@ -3,8 +3,8 @@
 //! launches can be captured into a CUDA graph once and replayed for every token: no helper
 //! allocates, copies from the host or synchronises. Every weight matrix is a [`GpuMatrix`], read
 //! in its own format (packed quantized chunks, or plain floats).
-use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::matmul::{GpuMatrix, gemv_split};
 use super::{Device, check, u32_of};
@@ -62,10 +62,17 @@ fn family_kernel(base: &str, ty: GgmlType) -> String {
     format!("{base}_{family}")
 }
 
-/// Shared memory of a decode kernel with `threads` per block: the norm's block sum (32 f32)
-/// and the warps' meetings (2 f32 per warp), which also holds the arg-max's u64.
-fn shared_of(threads: u32) -> u32 {
-    (threads / 32 * 2).max(32) * 4
+/// Shared memory of a GEMV kernel (these and matmul.rs's) with `threads` per block over
+/// vectors of `n_in`: the slots of its reductions (the norm's block sum, 32 f32, and the
+/// warps' meetings, 2 f32 per warp, which also hold the arg-max's u64), 16-byte aligned, then
+/// the vector staged in chunks of 32 with their halves' sums (36 f32 each; gpu-kernels'
+/// `matmul::stage`).
+fn gemv_shared(threads: u32, n_in: usize) -> Result<u32> {
+    let slots = (threads / 32 * 2).max(32).next_multiple_of(4) * 4;
+    u32_of(
+        slots as usize + n_in.div_ceil(32) * 36 * 4,
+        "GEMV shared memory",
+    )
 }
 
 /// How a GEMV kernel (these and matmul.rs's) is launched for `units` units of `split` warps.
@@ -76,6 +83,8 @@ pub(super) struct Geometry {
     per_block: u32,
     /// Blocks that cover every unit in one round.
     blocks: u32,
+    /// Shared memory per block (`gemv_shared`).
+    shared: u32,
 }
 
 impl Device {
@@ -89,16 +98,34 @@ impl Device {
     /// `MAX_WARPS / split` units per block (at least one), fewer while that leaves SMs
     /// without a block: the small matrices (k and v have 64 units) then still spread over the
     /// GPU.
-    pub(super) fn geometry(&self, units: usize, split: u32) -> Result<Geometry> {
+    pub(super) fn geometry(&self, units: usize, split: u32, n_in: usize) -> Result<Geometry> {
         let sms = self.sm_count()? as usize;
         let mut per_block = (MAX_WARPS / split).max(1);
         while per_block > 1 && units.div_ceil(per_block as usize) < sms {
             per_block /= 2;
         }
+        let threads = 32 * split * per_block;
         Ok(Geometry {
-            threads: 32 * split * per_block,
+            threads,
             per_block,
             blocks: u32_of(units.div_ceil(per_block as usize), "decode blocks")?,
+            shared: gemv_shared(threads, n_in)?,
+        })
+    }
+
+    /// The launch of GEMV kernel `name` with `blocks` blocks of `g`, its shared memory allowed
+    /// where it is more than a block gets without asking.
+    fn gemv_launch(&self, name: &str, g: &Geometry, blocks: u32) -> Result<LaunchConfig> {
+        if g.shared > 48 << 10 {
+            self.kernel(name).set_attribute(
+                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                g.shared as i32,
+            )?;
+        }
+        Ok(LaunchConfig {
+            grid_dim: (blocks, 1, 1),
+            block_dim: (g.threads, 1, 1),
+            shared_mem_bytes: g.shared,
         })
     }
 
@@ -106,15 +133,14 @@ impl Device {
     /// in one round, at most as many as the GPU holds at once (the rest go round again, with
     /// no block waiting for a slot).
     pub(super) fn strided_launch(&self, name: &str, g: &Geometry) -> Result<LaunchConfig> {
-        let shared = shared_of(g.threads);
+        let cfg = self.gemv_launch(name, g, g.blocks)?;
         let resident = self
             .kernel(name)
-            .occupancy_max_active_blocks_per_multiprocessor(g.threads, shared as usize, None)?;
+            .occupancy_max_active_blocks_per_multiprocessor(g.threads, g.shared as usize, None)?;
         let most = self.sm_count()? * resident.max(1);
         Ok(LaunchConfig {
             grid_dim: (g.blocks.min(most), 1, 1),
-            block_dim: (g.threads, 1, 1),
-            shared_mem_bytes: shared,
+            ..cfg
         })
     }
 
@@ -184,14 +210,10 @@ impl Device {
         }
         // Units: pairs of rows that RoPE rotates together (v's paired the same way).
         let (q_pairs, kv_pairs) = (q.len() / 2, kv_dim / 2);
-        let g = self.geometry(q_pairs + 2 * kv_pairs, split)?;
+        let g = self.geometry(q_pairs + 2 * kv_pairs, split, n_in)?;
         let q_blocks = u32_of(q_pairs.div_ceil(g.per_block as usize), WHAT)?;
         let kv_blocks = u32_of(kv_pairs.div_ceil(g.per_block as usize), WHAT)?;
-        let cfg = LaunchConfig {
-            grid_dim: (q_blocks + 2 * kv_blocks, 1, 1),
-            block_dim: (g.threads, 1, 1),
-            shared_mem_bytes: shared_of(g.threads),
-        };
+        let cfg = self.gemv_launch(&name, &g, q_blocks + 2 * kv_blocks)?;
         let s = self.stream();
         let (qp, _q) = q.device_ptr_mut(s);
         let (kc, _kc) = k_cache.device_ptr_mut(s);
@@ -208,7 +230,7 @@ impl Device {
         let tys = qkv.each_ref().map(|(w, _)| w.ty() as u32);
         let (n_in, n_heads, n_kv, hd) = (n_in as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
         let max_pos = max_pos as u32;
-        let mut l = self.stream().launch_builder(self.kernel(&name));
+        let mut l = self.launch(&name);
         l.arg(&qp).arg(&kc).arg(&vc).arg(&xp).arg(&np).arg(&eps);
         for i in 0..3 {
             l.arg(&ws[i].0).arg(&tys[i]).arg(&bp[i]);
@@ -222,8 +244,9 @@ impl Device {
         // (whole chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q holds
         // n_heads·head_dim; the kernel writes cache row pos[0] and reads table row pos[0] only
         // below max_pos, else traps. Blocks are whole units of `split` warps, shared as
-        // `shared_of` (the norm's 32 f32, 2 f32 per warp).
-        unsafe { l.launch(cfg) }?;
+        // `gemv_shared` (the reductions' slots and the staged x).
+        // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
+        unsafe { l.run(cfg, true) }?;
         Ok(())
     }
 
@@ -257,7 +280,7 @@ impl Device {
             return Ok(());
         }
         let n_out32 = u32_of(n_out, WHAT)?;
-        let g = self.geometry(n_out, split)?;
+        let g = self.geometry(n_out, split, n_in)?;
         let name = family_kernel(WHAT, gate.ty());
         let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
@@ -268,7 +291,7 @@ impl Device {
         let (upp, _u) = up.ptr(s);
         check_aligned(&[xp, np], WHAT)?;
         let (ty, n_in) = (gate.ty() as u32, n_in as u32);
-        let mut l = self.stream().launch_builder(self.kernel(&name));
+        let mut l = self.launch(&name);
         l.arg(&hp)
             .arg(&xp)
             .arg(&np)
@@ -280,8 +303,9 @@ impl Device {
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, const u8*, u32, u32,
         // u32, u32). Gate and up are GpuMatrix rows of n_in of one type; x and norm 16-byte
         // aligned; h holds n_out; n_in is whole chunks, one per lane of `split` warps
-        // (`split_of`); blocks are whole units of `split` warps, shared as `shared_of`.
-        unsafe { l.launch(cfg) }?;
+        // (`split_of`); blocks are whole units of `split` warps, shared as `gemv_shared`.
+        // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
+        unsafe { l.run(cfg, true) }?;
         Ok(())
     }
 
@@ -307,7 +331,7 @@ impl Device {
             return Ok(());
         }
         let n_out32 = u32_of(n_out, WHAT)?;
-        let g = self.geometry(n_out, split)?;
+        let g = self.geometry(n_out, split, n_in)?;
         let name = family_kernel(WHAT, w.ty());
         let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
@@ -318,14 +342,15 @@ impl Device {
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
         check_aligned(&[vp], WHAT)?;
         let (ty, n_in) = (w.ty() as u32, u32_of(n_in, WHAT)?);
-        let mut l = self.stream().launch_builder(self.kernel(&name));
+        let mut l = self.launch(&name);
         l.arg(&yp).arg(&vp).arg(&wp).arg(&ty).arg(&bp);
         l.arg(&n_in).arg(&n_out32).arg(&split);
         // SAFETY: parameters (f32*, const f32*, const u8*, u32, const f32* or null, u32, u32,
         // u32). w is n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split`
         // warps), v 16-byte aligned; y and bias hold n_out; blocks are whole units of `split`
-        // warps, shared as `shared_of`.
-        unsafe { l.launch(cfg) }?;
+        // warps, shared as `gemv_shared`.
+        // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
+        unsafe { l.run(cfg, true) }?;
         Ok(())
     }
 
@@ -363,7 +388,7 @@ impl Device {
             "logits: rows, best and scratch",
         )?;
         let n_out32 = u32_of(n_out, WHAT)?;
-        let g = self.geometry(n_out, split)?;
+        let g = self.geometry(n_out, split, n_in)?;
         let name = family_kernel(WHAT, w.ty());
         let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
@@ -376,15 +401,16 @@ impl Device {
         // Null pointers: no arg-max.
         let (op, sp) = best.as_ref().map_or((0, 0), |((o, _), (sc, _))| (*o, *sc));
         let (ty, n_in) = (w.ty() as u32, n_in as u32);
-        let mut l = self.stream().launch_builder(self.kernel(&name));
+        let mut l = self.launch(&name);
         l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
         l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,
         // u32* or null, u64* or null). w is n_out GpuMatrix rows of n_in (whole chunks, one
         // per lane of `split` warps), x and norm 16-byte aligned; logits holds n_out; out
         // holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); blocks are whole
-        // units of `split` warps, shared as `shared_of`.
-        unsafe { l.launch(cfg) }?;
+        // units of `split` warps, shared as `gemv_shared`.
+        // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
+        unsafe { l.run(cfg, true) }?;
         Ok(())
     }
 }

@@ -2,11 +2,12 @@
 //! launch helper per kernel. Built on cudarc with dynamic loading, so the library compiles
 //! and its CPU parts run on machines without CUDA.
 use std::collections::HashMap;
+use std::ffi::c_void;
 use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
 };
 
 use crate::{Error, Result};
@@ -29,11 +30,14 @@ pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
     kernels: HashMap<String, CudaFunction>,
+    /// Whether kernels may be launched to overlap the one before them (programmatic dependent
+    /// launch: sm_90 and later, with the sm_90 PTX).
+    overlap: bool,
 }
 
-/// Every kernel (`.visible .entry NAME(`) of the PTX, looked up once.
-fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<String, CudaFunction>> {
-    let names = crate::PTX
+/// Every kernel (`.visible .entry NAME(`) of `ptx`, looked up once.
+fn load_kernels(module: &Arc<CudaModule>, ptx: &str) -> Result<HashMap<String, CudaFunction>> {
+    let names = ptx
         .lines()
         .filter_map(|l| l.strip_prefix(".visible .entry ")?.split('(').next());
     names
@@ -72,14 +76,17 @@ impl Device {
         // A stream of our own (not the legacy default stream) so that work can be captured
         // into CUDA graphs.
         let stream = ctx.new_stream()?;
+        let overlap = ctx.compute_capability()?.0 >= 9;
+        let ptx = if overlap { crate::PTX_SM90 } else { crate::PTX };
         let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_src(crate::PTX))
+            .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
-        let kernels = load_kernels(&module)?;
+        let kernels = load_kernels(&module, ptx)?;
         Ok(Device {
             ctx,
             stream,
             kernels,
+            overlap,
         })
     }
 
@@ -131,6 +138,15 @@ impl Device {
             .unwrap_or_else(|| panic!("kernel {name} is not in the PTX"))
     }
 
+    /// A launch of kernel `name` on the stream, its parameters to be pushed in order.
+    pub(crate) fn launch(&self, name: &str) -> Launch<'_> {
+        Launch {
+            dev: self,
+            f: self.kernel(name),
+            params: Vec::new(),
+        }
+    }
+
     /// The stream every launch goes to.
     pub(crate) fn stream(&self) -> &Arc<CudaStream> {
         &self.stream
@@ -170,6 +186,66 @@ impl Device {
         // touches `rows * n` elements of out and x and `n` of w, all checked above.
         unsafe { l.launch(cfg) }?;
         Ok(())
+    }
+}
+
+/// A kernel launch that may overlap the kernel before it (what cudarc's `launch_builder` does,
+/// plus programmatic dependent launch): the kernel's blocks start while the one before it
+/// still runs, and load what no kernel writes (their weights) until `wait_prior_grids`
+/// (gpu-kernels' util.rs) returns. In a CUDA graph this hides most of a launch's latency.
+pub(crate) struct Launch<'a> {
+    dev: &'a Device,
+    f: &'a CudaFunction,
+    params: Vec<*mut c_void>,
+}
+
+impl<'a> Launch<'a> {
+    /// Pushes the next parameter, which must live until the launch.
+    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.params.push(v as *const T as *mut c_void);
+        self
+    }
+
+    /// Launches the kernel with `cfg`; with `overlap`, overlapping the one before it where the
+    /// device can.
+    ///
+    /// # Safety
+    /// The parameters must be the kernel's, in order, and every pointer valid for what the
+    /// kernel does with `cfg`; with `overlap`, the kernel must call `wait_prior_grids` in
+    /// every thread before it reads or writes memory that any kernel before it may touch.
+    pub(crate) unsafe fn run(&mut self, cfg: LaunchConfig, overlap: bool) -> Result<()> {
+        let s = &self.dev.stream;
+        self.dev.ctx.bind_to_thread()?;
+        let mut attr = sys::CUlaunchAttribute {
+            id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
+            pad: [0; 4],
+            value: sys::CUlaunchAttributeValue {
+                programmaticStreamSerializationAllowed: 1,
+            },
+        };
+        let config = sys::CUlaunchConfig {
+            gridDimX: cfg.grid_dim.0,
+            gridDimY: cfg.grid_dim.1,
+            gridDimZ: cfg.grid_dim.2,
+            blockDimX: cfg.block_dim.0,
+            blockDimY: cfg.block_dim.1,
+            blockDimZ: cfg.block_dim.2,
+            sharedMemBytes: cfg.shared_mem_bytes,
+            hStream: s.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: u32::from(overlap && self.dev.overlap),
+        };
+        // SAFETY: the config and attribute outlive the call; the parameters are the kernel's
+        // and live until the launch (the caller's contract); the function is of this context.
+        let r = unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                self.f.cu_function(),
+                self.params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        };
+        Ok(r.result()?)
     }
 }
 
