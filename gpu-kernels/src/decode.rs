@@ -45,7 +45,7 @@ fn held_norm<W: Weights>(
     eps: f32,
     split: u32,
 ) -> (Held, f32) {
-    let ss = stage::<W, true>(x, g, n_in);
+    let ss = stage::<W>(x, g, n_in);
     // The sum's barrier also publishes the staged vector.
     let s = 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps);
     (Held::staged(lane_chunk(split, n_in / 32)), s)
@@ -241,8 +241,7 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
 /// place on the residual stream. Units are pairs of rows. Grid: any number of blocks (they
-/// stride over the units); block: a multiple of `32·split` threads; shared: as
-/// `matmul::stage` says.
+/// stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemv_residual_family<const F: u32>(
@@ -259,11 +258,7 @@ unsafe fn gemv_residual_family<const F: u32>(
     let c = lane_chunk(split, chunks);
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
-        let held = || {
-            stage::<W, true>(v, core::ptr::null(), n_in);
-            sync_threads();
-            (Held::staged(c), ())
-        };
+        let held = || (Held::load::<W, true>(v, c, n_in), ());
         let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
         // The rows of y (and the bias) are loaded before the products, added after.
         let out = |u: u32, _| {

@@ -205,8 +205,8 @@ macro_rules! with_weights {
 pub(crate) use with_weights;
 
 /// The 32 elements of the vector that a GEMV lane multiplies its chunk of every row by (times
-/// the weights' `X_SCALE`), read from the block's [`stage`]d copy, and the sums of its two
-/// halves.
+/// the weights' `X_SCALE`), loaded by the lane or read from the block's [`stage`]d copy, and
+/// the sums of its two halves.
 pub(crate) struct Held {
     pub(crate) x: [f32; 32],
     pub(crate) sum: [f32; 2],
@@ -226,48 +226,35 @@ fn staging() -> *mut f32 {
     shared::<f32>().wrapping_add(slots as usize)
 }
 
-/// Stages `x` (`n` long) in shared memory for the block's GEMV lanes: element `32c + i` (times
-/// `g`'s unless `g` is null, an RMSNorm's weights; then times `W::X_SCALE`) at `STAGED·c + i`,
-/// the sums of chunk `c`'s halves (unscaled) at `STAGED·c + 32` and `+ 33`, zeros past `n` to
-/// a whole chunk. Each element is loaded once per block, not once per warp. Returns this
-/// thread's share of the sum of the squares of `x` (0 without `g`). Every thread of the block
-/// calls it; the staged vector may be read after the next barrier. `VEC`: `x` and `g` 16-byte
-/// aligned and `n % 32 == 0`. Shared (of the GEMV kernels): `max(32, 2·warps)` f32 (rounded up
-/// to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
+/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights) in shared memory for the block's GEMV
+/// lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of chunk `c`'s
+/// halves (unscaled) at `STAGED·c + 32` and `+ 33`. Each element is loaded once per block, not
+/// once per warp. Returns this thread's share of the sum of the squares of `x`. Every thread of
+/// the block calls it; the staged vector may be read after the next barrier. `x` and `g`
+/// 16-byte aligned, `n % 32 == 0`. Shared (of the kernels that stage): `max(32, 2·warps)` f32
+/// (rounded up to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
 #[inline(always)]
-pub(crate) fn stage<W: Weights, const VEC: bool>(x: *const f32, g: *const f32, n: u32) -> f32 {
-    let (at, n) = (staging(), n as usize);
+pub(crate) fn stage<W: Weights>(x: *const f32, g: *const f32, n: u32) -> f32 {
+    let (at, groups) = (staging(), n as usize / 4);
     // Groups of 4 elements, 8 a chunk; a thread takes groups `thread() + k·blockDim`, so each
     // half chunk is 4 neighbouring lanes, which add up their sums by two shuffles.
-    let groups = n.div_ceil(32) * 8;
-    let load4 = |p: *const f32, k: usize| -> [f32; 4] {
-        if VEC {
-            unsafe { *(p.add(k) as *const F32x4) }.0
-        } else {
-            core::array::from_fn(|j| {
-                if k + j < n {
-                    unsafe { *p.add(k + j) }
-                } else {
-                    0.0
-                }
-            })
-        }
-    };
     let (mut ss, mut first) = (0.0, 0);
     while first < groups {
         let i = first + thread() as usize;
         let live = i < groups;
         // Dead groups load the last one again (in bounds) and count zeros.
         let k = 4 * i.min(groups - 1);
-        let mut v = if VEC || k < n { load4(x, k) } else { [0.0; 4] };
-        if !g.is_null() {
-            let g4 = if VEC || k < n { load4(g, k) } else { [0.0; 4] };
-            for (v, g) in v.iter_mut().zip(g4) {
-                if live {
-                    ss = fma(*v, *v, ss);
-                }
-                *v *= g;
+        let (mut v, g4) = unsafe {
+            (
+                (*(x.add(k) as *const F32x4)).0,
+                (*(g.add(k) as *const F32x4)).0,
+            )
+        };
+        for (v, g) in v.iter_mut().zip(g4) {
+            if live {
+                ss = fma(*v, *v, ss);
             }
+            *v *= g;
         }
         let sum = warp_sum4(if live {
             (v[0] + v[1]) + (v[2] + v[3])
@@ -287,6 +274,35 @@ pub(crate) fn stage<W: Weights, const VEC: bool>(x: *const f32, g: *const f32, n
 }
 
 impl Held {
+    /// Elements `32c..32c + 32` of `x` (`n` long), loaded by this lane: for kernels whose
+    /// lanes each need their own chunk (no norm, so no barrier to share one behind). `VEC`:
+    /// `x` 16-byte aligned and `n % 32 == 0`; else element by element, zeros past `n`.
+    #[inline(always)]
+    pub(crate) fn load<W: Weights, const VEC: bool>(x: *const f32, c: u32, n: u32) -> Held {
+        let (k0, n) = (32 * c as usize, n as usize);
+        let mut v = [0.0f32; 32];
+        for q in 0..8 {
+            let k = k0 + 4 * q;
+            let v4 = if VEC {
+                unsafe { *(x.add(k) as *const F32x4) }.0
+            } else {
+                core::array::from_fn(|j| {
+                    if k + j < n {
+                        unsafe { *x.add(k + j) }
+                    } else {
+                        0.0
+                    }
+                })
+            };
+            v[4 * q..4 * q + 4].copy_from_slice(&v4);
+        }
+        let half = |h: usize| v[16 * h..16 * h + 16].iter().fold(0.0, |s, v| s + v);
+        Held {
+            x: v.map(|v| v * W::X_SCALE),
+            sum: [half(0), half(1)],
+        }
+    }
+
     /// Chunk `c` of the vector [`stage`]d in shared memory (after the barrier that follows it).
     #[inline(always)]
     pub(crate) fn staged(c: u32) -> Held {
@@ -407,11 +423,7 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
 ) {
     let n_chunks = n_in.div_ceil(32);
     let c = lane_chunk(split, n_chunks);
-    let held = || {
-        stage::<W, VEC>(x, core::ptr::null(), n_in);
-        sync_threads();
-        (Held::staged(c), ())
-    };
+    let held = || (Held::load::<W, VEC>(x, c, n_in), ());
     let rows = |u: u32| {
         [
             (&w, 2 * u as usize),
@@ -903,7 +915,7 @@ unsafe fn mma_consume<W: Weights>(
 /// `$gemv(y, x, w, bias, n_in, n_out, split)`: `y[o] = w[o, :]·x + bias[o]` for one token;
 /// `bias` may be null. `split` warps per unit of two rows, `32·split >= ceil(n_in / 32)` (each
 /// lane one chunk of 32 weights per row). Grid: any number of blocks (they stride over the
-/// units); block: a multiple of `32·split` threads; shared: as `stage` says.
+/// units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
 ///
 /// `$gemm(y, x, w, bias, rows, n_in, n_out)`: `y[t, o] = x[t, :]·w[o, :] + bias[o]` for
 /// `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)` blocks;

@@ -62,15 +62,15 @@ fn family_kernel(base: &str, ty: GgmlType) -> String {
     format!("{base}_{family}")
 }
 
-/// Shared memory of a GEMV kernel (these and matmul.rs's) with `threads` per block over
-/// vectors of `n_in`: the slots of its reductions (the norm's block sum, 32 f32, and the
-/// warps' meetings, 2 f32 per warp, which also hold the arg-max's u64), 16-byte aligned, then
-/// the vector staged in chunks of 32 with their halves' sums (36 f32 each; gpu-kernels'
-/// `matmul::stage`).
-fn gemv_shared(threads: u32, n_in: usize) -> Result<u32> {
+/// Shared memory of a GEMV kernel (these and matmul.rs's) with `threads` per block that stages
+/// a vector of `staged` (0: none): the slots of its reductions (the norm's block sum, 32 f32,
+/// and the warps' meetings, 2 f32 per warp, which also hold the arg-max's u64), 16-byte
+/// aligned, then the vector in chunks of 32 with their halves' sums (36 f32 each; gpu-kernels'
+/// `matmul::stage`, which the kernels with an RMSNorm use).
+fn gemv_shared(threads: u32, staged: usize) -> Result<u32> {
     let slots = (threads / 32 * 2).max(32).next_multiple_of(4) * 4;
     u32_of(
-        slots as usize + n_in.div_ceil(32) * 36 * 4,
+        slots as usize + staged.div_ceil(32) * 36 * 4,
         "GEMV shared memory",
     )
 }
@@ -97,8 +97,8 @@ impl Device {
 
     /// `MAX_WARPS / split` units per block (at least one), fewer while that leaves SMs
     /// without a block: the small matrices (k and v have 64 units) then still spread over the
-    /// GPU.
-    pub(super) fn geometry(&self, units: usize, split: u32, n_in: usize) -> Result<Geometry> {
+    /// GPU. The kernel stages a vector of `staged` (0: none) in shared memory (`gemv_shared`).
+    pub(super) fn geometry(&self, units: usize, split: u32, staged: usize) -> Result<Geometry> {
         let sms = self.sm_count()? as usize;
         let mut per_block = (MAX_WARPS / split).max(1);
         while per_block > 1 && units.div_ceil(per_block as usize) < sms {
@@ -109,7 +109,7 @@ impl Device {
             threads,
             per_block,
             blocks: u32_of(units.div_ceil(per_block as usize), "decode blocks")?,
-            shared: gemv_shared(threads, n_in)?,
+            shared: gemv_shared(threads, staged)?,
         })
     }
 
@@ -331,7 +331,7 @@ impl Device {
             return Ok(());
         }
         let n_out32 = u32_of(n_out, WHAT)?;
-        let g = self.geometry(n_out, split, n_in)?;
+        let g = self.geometry(n_out, split, 0)?;
         let name = family_kernel(WHAT, w.ty());
         let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();

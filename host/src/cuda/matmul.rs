@@ -174,7 +174,7 @@ impl Device {
         let bp = bias.as_ref().map_or(0, |(p, _)| *p);
         if let (1, Some(split)) = (rows, gemv_split(n_in)) {
             // Units of 2 rows, `split` warps each; blocks stride over them.
-            let g = self.geometry(n_out.div_ceil(2), split, n_in)?;
+            let g = self.geometry(n_out.div_ceil(2), split, 0)?;
             let cfg = self.strided_launch(gemv, &g)?;
             let mut l = stream.launch_builder(self.kernel(gemv));
             l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
@@ -182,7 +182,8 @@ impl Device {
             // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
             // u32); the kernel reads n_in of x, the n_out rows of w, n_out of bias and writes
             // n_out of y, all checked above and by the caller; blocks are whole units of
-            // `split` warps with 32·split lanes for the row's chunks, shared as `gemv_shared`.
+            // `split` warps with 32·split lanes for the row's chunks, shared at least 2 f32 per
+            // warp (`gemv_shared`).
             unsafe { l.launch(cfg) }?;
         } else {
             let f = self.kernel(gemm);
