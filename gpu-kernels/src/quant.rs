@@ -12,7 +12,7 @@
 use core::marker::PhantomData;
 
 use crate::matmul::{Held, Weights, with_weights};
-use crate::util::{block, block_dim, f16_to_f32, fma, thread};
+use crate::util::{block, block_dim, f16_to_f32, fma, load_streaming, thread};
 
 /// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
 pub mod id {
@@ -183,24 +183,26 @@ fn align16(n: usize) -> usize {
 }
 
 impl<P: Packing> Packed<P> {
-    /// Chunk `c` of the matrix (rows one after another).
+    /// Chunk `c` of the matrix (rows one after another), read once (`load_streaming`): the
+    /// GEMV's.
     #[inline(always)]
     unsafe fn chunk(&self, c: usize) -> Chunk {
-        let lo = unsafe { *(self.lo.add(16 * c) as *const U32x4) }.0;
+        let lo = unsafe { load_streaming(self.lo.add(16 * c) as *const U32x4) }.0;
         let mut hi = [0u32; 4];
         unsafe {
             match P::BITS {
                 0 => {}
-                1 => hi[0] = *(self.hi.add(4 * c) as *const u32),
+                1 => hi[0] = load_streaming(self.hi.add(4 * c) as *const u32),
                 2 => {
-                    let v = *(self.hi.add(8 * c) as *const u64);
+                    let v = load_streaming(self.hi.add(8 * c) as *const u64);
                     hi[..2].copy_from_slice(&[v as u32, (v >> 32) as u32]);
                 }
-                _ => hi = (*(self.hi.add(16 * c) as *const U32x4)).0,
+                _ => hi = load_streaming(self.hi.add(16 * c) as *const U32x4).0,
             }
         }
-        let sc = unsafe { *self.sc.add(c) } as u32;
+        let sc = unsafe { load_streaming(self.sc.add(c)) } as u32;
         let sup = if P::SUPER {
+            // Shared by the super-block's 8 chunks: an ordinary load.
             unsafe { *self.sup.add(c / 8) }
         } else {
             0
