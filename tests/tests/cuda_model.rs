@@ -80,6 +80,29 @@ fn run_ahead_changes_no_token() {
     println!("run ahead: 24 sampled tokens as without it: {plain:?}");
 }
 
+/// The sm_80 build of the kernels (what GPUs before Hopper run, here JIT-compiled for this
+/// GPU) generates what the build this GPU runs generates: the same greedy tokens and the same
+/// sampled tokens, bit for bit (the builds differ in instruction selection and in overlapping
+/// launches, not in arithmetic). On a GPU before Hopper both are the sm_80 build.
+#[test]
+fn sm80_build_generates_as_the_default_build() {
+    let Some(mut m) = gpu_model(WeightFormat::Native) else {
+        return;
+    };
+    let dev = Device::open_sm80(0).unwrap();
+    let mut sm80 = CudaModel::load(dev, gguf(), 4096, WeightFormat::Native, &mut |_| {}).unwrap();
+    let (prompt, eos) = (&ref_prompts()[0].ids, []);
+    let greedy = gpu_greedy(&mut m, prompt, 32, &eos);
+    assert_eq!(gpu_greedy(&mut sm80, prompt, 32, &eos), greedy);
+    let sampling = |_| SamplingParams::default();
+    let sampled = sampled_run(&mut m, prompt, 24, true, sampling, None);
+    assert_eq!(
+        sampled_run(&mut sm80, prompt, 24, true, sampling, None),
+        sampled
+    );
+    println!("sm_80 build: 32 greedy and 24 sampled tokens as the default build's");
+}
+
 /// Teacher-forced: feed prompt + reference generation, compare the top-1 at every generated
 /// position. Returns (agreeing positions, positions).
 fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {

@@ -58,9 +58,21 @@ pub fn is_available() -> bool {
 }
 
 impl Device {
-    /// Opens device `ordinal` and loads the kernels. Errors, never panics, when there is no
-    /// driver (`no CUDA driver found`) or no device (`no CUDA device`).
+    /// Opens device `ordinal` and loads the kernels: the sm_90 build on Hopper and later, else
+    /// the sm_80 build. Errors, never panics, when there is no driver (`no CUDA driver found`)
+    /// or no device (`no CUDA device`).
     pub fn open(ordinal: usize) -> Result<Device> {
+        Self::open_with(ordinal, false)
+    }
+
+    /// Opens device `ordinal` with the sm_80 build of the kernels whatever the GPU, as a GPU
+    /// before Hopper runs them (no programmatic dependent launch): to check that build on a
+    /// newer GPU.
+    pub fn open_sm80(ordinal: usize) -> Result<Device> {
+        Self::open_with(ordinal, true)
+    }
+
+    fn open_with(ordinal: usize, sm80: bool) -> Result<Device> {
         // SAFETY: as in `is_available`.
         if !unsafe { cudarc::driver::sys::is_culib_present() } {
             return Err(Error::NoCudaDriver);
@@ -76,7 +88,7 @@ impl Device {
         // A stream of our own (not the legacy default stream) so that work can be captured
         // into CUDA graphs.
         let stream = ctx.new_stream()?;
-        let overlap = ctx.compute_capability()?.0 >= 9;
+        let overlap = !sm80 && ctx.compute_capability()?.0 >= 9;
         let ptx = if overlap { crate::PTX_SM90 } else { crate::PTX };
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
