@@ -221,74 +221,68 @@ pub unsafe extern "gpu-kernel" fn kv_append(
     }
 }
 
-/// Split-K ("flash-decoding") attention of one query row `q = [n_heads * head_dim]` at
-/// position `pos[0]` over keys `0..=pos[0]`, into `out = [n_heads * head_dim]`. `scale` =
-/// 1/sqrt(head_dim), head_dim <= 128.
-///
-/// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and `splits <= 64`:
-/// block `(x, s)` serves up to 8 query heads of one kv head, one per warp, over slice `s` of the
-/// keys, so each K/V row is read once for all of them. Block: 256 threads. Shared: 38,416
-/// bytes (the `D = 128` path's; the other needs less). Scratch: `partials = [n_heads,
-/// splits, 4 + ceil4(head_dim)]` f32 (per head and slice: max `m`, sum `l`, two unused, then
-/// the unnormalised output) and `counters = [gridDim.x]` u32, zero before the first launch
-/// (and left zero by every launch).
-///
-/// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
-/// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on the
-/// device, so the launch does not depend on the position. Blocks past the last key have
-/// nothing to do and leave at once. Per tile (its K and V staged in shared memory by 16-byte
-/// loads, the next tile's loads in flight during the current one's math), lane `i` of each
-/// warp scores key `i` against its head's query, and the warp updates the head's online
-/// softmax and its output dims `D/32` per lane. Each block stores its heads' partials; the
-/// last block of `x` to finish, by an atomic count of the slices in use, combines the
-/// partials of its heads into `out` in a fixed order (so the result does not depend on which
-/// block came last) and zeroes the count for the next launch.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn attention_decode(
-    out: *mut f32,
-    q: *const f32,
-    k_cache: *const f32,
-    v_cache: *const f32,
-    pos: *const u32,
-    partials: *mut f32,
-    counters: *mut u32,
-    n_heads: u32,
-    n_kv: u32,
-    head_dim: u32,
-    max_pos: u32,
-    scale: f32,
-) {
-    let a = (out, q, k_cache, v_cache, pos, partials, counters);
-    unsafe { decode::<128, 4, false>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
+/// An entry point of the decode kernel: `decode::<D, DPL, VEC>`.
+macro_rules! decode_kernel {
+    ($(#[$doc:meta])* $name:ident => $d:literal, $dpl:literal, $vec:literal) => {
+        $(#[$doc])*
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $name(
+            out: *mut f32,
+            q: *const f32,
+            k_cache: *const f32,
+            v_cache: *const f32,
+            pos: *const u32,
+            partials: *mut f32,
+            counters: *mut u32,
+            n_heads: u32,
+            n_kv: u32,
+            head_dim: u32,
+            max_pos: u32,
+            scale: f32,
+        ) {
+            if $vec && head_dim != $d {
+                unsafe { nvptx::trap() };
+            }
+            let a = (out, q, k_cache, v_cache, pos, partials, counters);
+            unsafe { decode::<$d, $dpl, $vec>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
+        }
+    };
 }
 
-/// `attention_decode` for `head_dim` 64 with `out`, `q`, the caches and `partials` 16-byte
-/// aligned (the host checks; traps on another head_dim): 16-byte loads throughout. A kernel of
-/// its own, so that it has only the registers its path needs (the generic path's combine
-/// holds twice as many), and its blocks fit on an SM beside the kernels before and after it.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn attention_decode_hd64(
-    out: *mut f32,
-    q: *const f32,
-    k_cache: *const f32,
-    v_cache: *const f32,
-    pos: *const u32,
-    partials: *mut f32,
-    counters: *mut u32,
-    n_heads: u32,
-    n_kv: u32,
-    head_dim: u32,
-    max_pos: u32,
-    scale: f32,
-) {
-    if head_dim != 64 {
-        unsafe { nvptx::trap() };
-    }
-    let a = (out, q, k_cache, v_cache, pos, partials, counters);
-    unsafe { decode::<64, 2, true>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
-}
+decode_kernel!(
+    /// Split-K ("flash-decoding") attention of one query row `q = [n_heads * head_dim]` at
+    /// position `pos[0]` over keys `0..=pos[0]`, into `out = [n_heads * head_dim]`. `scale` =
+    /// 1/sqrt(head_dim), head_dim <= 128.
+    ///
+    /// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
+    /// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
+    /// over slice `s` of the keys, so each K/V row is read once for all of them. Block: 256
+    /// threads. Shared: 38,416 bytes (the `D = 128` path's; the other needs less). Scratch:
+    /// `partials = [n_heads, splits, 4 + ceil4(head_dim)]` f32 (per head and slice: max `m`,
+    /// sum `l`, two unused, then the unnormalised output) and `counters = [gridDim.x]` u32,
+    /// zero before the first launch (and left zero by every launch).
+    ///
+    /// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
+    /// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on
+    /// the device, so the launch does not depend on the position. Blocks past the last key
+    /// have nothing to do and leave at once. Per tile (its K and V staged in shared memory by
+    /// 16-byte loads, the next tile's loads in flight during the current one's math), lane `i`
+    /// of each warp scores key `i` against its head's query, and the warp updates the head's
+    /// online softmax and its output dims `D/32` per lane. Each block stores its heads'
+    /// partials; the last block of `x` to finish, by an atomic count of the slices in use,
+    /// combines the partials of its heads into `out` in a fixed order (so the result does not
+    /// depend on which block came last) and zeroes the count for the next launch.
+    attention_decode => 128, 4, false
+);
+
+decode_kernel!(
+    /// `attention_decode` for `head_dim` 64 with `out`, `q`, the caches and `partials` 16-byte
+    /// aligned (the host checks; traps on another head_dim): 16-byte loads throughout. A kernel
+    /// of its own, so that it has only the registers its path needs (the generic path's combine
+    /// holds twice as many), and its blocks fit on an SM beside the kernels before and after it.
+    attention_decode_hd64 => 64, 2, true
+);
 
 type DecodePtrs = (
     *mut f32,
