@@ -312,13 +312,13 @@ pub fn allow_next_grid() {
     };
 }
 
-/// `*p` for a weight (global memory, aligned to its size of 2, 4, 8, 16 or 32 bytes) that this
+/// `*p` for a weight (global memory, aligned to its size of 2, 4, 8 or 16 bytes) that this
 /// kernel reads once: `ld.global.cs` allocates its lines evict-first in L1 and L2, so that a
 /// matrix streamed through does not evict what is read again (activations, the KV cache, the
 /// kernels' code).
 #[inline(always)]
 pub unsafe fn load_streaming<T: Copy>(p: *const T) -> T {
-    let mut w = [0u32; 8];
+    let mut w = [0u32; 4];
     unsafe {
         match size_of::<T>() {
             2 => {
@@ -331,14 +331,9 @@ pub unsafe fn load_streaming<T: Copy>(p: *const T) -> T {
                 options(pure, readonly, nostack)),
             8 => asm!("ld.global.cs.v2.u32 {{{0}, {1}}}, [{2}];", out(reg32) w[0],
                 out(reg32) w[1], in(reg64) p, options(pure, readonly, nostack)),
-            16 | 32 => {
-                for h in 0..size_of::<T>() / 16 {
-                    let q = p.wrapping_byte_add(16 * h);
-                    asm!("ld.global.cs.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];",
-                        out(reg32) w[4 * h], out(reg32) w[4 * h + 1], out(reg32) w[4 * h + 2],
-                        out(reg32) w[4 * h + 3], in(reg64) q, options(pure, readonly, nostack));
-                }
-            }
+            16 => asm!("ld.global.cs.v4.u32 {{{0}, {1}, {2}, {3}}}, [{4}];", out(reg32) w[0],
+                out(reg32) w[1], out(reg32) w[2], out(reg32) w[3], in(reg64) p,
+                options(pure, readonly, nostack)),
             _ => nvptx::trap(),
         }
         core::mem::transmute_copy(&w)

@@ -3,11 +3,11 @@
 //! launches can be captured into a CUDA graph once and replayed for every token: no helper
 //! allocates, copies from the host or synchronises. Every weight matrix is a [`GpuMatrix`], read
 //! in its own format (packed quantized chunks, or plain floats).
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::matmul::{GpuMatrix, gemv_split};
-use super::{Device, check, u32_of};
+use super::{Device, allow_shared, check, u32_of};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -116,12 +116,7 @@ impl Device {
     /// The launch of GEMV kernel `name` with `blocks` blocks of `g`, its shared memory allowed
     /// where it is more than a block gets without asking.
     fn gemv_launch(&self, name: &str, g: &Geometry, blocks: u32) -> Result<LaunchConfig> {
-        if g.shared > 48 << 10 {
-            self.kernel(name).set_attribute(
-                CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                g.shared as i32,
-            )?;
-        }
+        allow_shared(self.kernel(name), g.shared)?;
         Ok(LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (g.threads, 1, 1),

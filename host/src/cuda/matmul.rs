@@ -1,12 +1,11 @@
 //! Launch helpers of the matmul, quant and elementwise kernel families
 //! (gpu-kernels/src/{matmul,quant,elementwise}.rs).
-use cudarc::driver::sys::CUfunction_attribute_enum;
 use cudarc::driver::{
     CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 use half::f16;
 
-use super::{BLOCK, Device, check, u32_of};
+use super::{BLOCK, Device, allow_shared, check, u32_of};
 use crate::Result;
 use crate::pack;
 use crate::quant::{GgmlType, dequantize_f16};
@@ -193,13 +192,7 @@ impl Device {
             let groups =
                 (f.max_threads_per_block()? as u32 / GEMM_GROUP).clamp(1, 1 + GEMM_MAX_TEAMS);
             let shared = GEMM_F32_SHARED_BYTES.max((groups - 1) * GEMM_TEAM_SHARED_BYTES);
-            if shared > 48 << 10 {
-                // More than a block gets without asking.
-                f.set_attribute(
-                    CUfunction_attribute_enum::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                    shared as i32,
-                )?;
-            }
+            allow_shared(f, shared)?;
             let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
             let cfg = LaunchConfig {
                 grid_dim: (u32_of(tiles, &format!("{what} tiles"))?, 1, 1),

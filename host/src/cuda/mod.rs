@@ -261,6 +261,18 @@ impl<'a> Launch<'a> {
     }
 }
 
+/// Lets `f`'s blocks have `bytes` of dynamic shared memory where that is more than a block gets
+/// without asking (48 KiB).
+pub(crate) fn allow_shared(f: &CudaFunction, bytes: u32) -> Result<()> {
+    if bytes > 48 << 10 {
+        f.set_attribute(
+            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+            bytes as i32,
+        )?;
+    }
+    Ok(())
+}
+
 /// `n` as a kernel's `u32` size, or an error naming `what`.
 pub(crate) fn u32_of(n: usize, what: &str) -> Result<u32> {
     u32::try_from(n).map_err(|_| Error::Invalid(format!("{what}: {n} is too large for a kernel")))
