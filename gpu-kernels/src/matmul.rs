@@ -250,11 +250,12 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: *const f32, n: u32) -> f32 {
                 (*(g.add(k) as *const F32x4)).0,
             )
         };
-        for (v, g) in v.iter_mut().zip(g4) {
+        // Indexed: LLVM keeps a zip of the two arrays on the stack, in local memory.
+        for j in 0..4 {
             if live {
-                ss = fma(*v, *v, ss);
+                ss = fma(v[j], v[j], ss);
             }
-            *v *= g;
+            v[j] *= g4[j];
         }
         let sum = warp_sum4(if live {
             (v[0] + v[1]) + (v[2] + v[3])
