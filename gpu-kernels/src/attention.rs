@@ -330,9 +330,46 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     let ps = unsafe { qs.add(8 * D) }; // [8][32]
     let is_last = unsafe { ps.add(8 * 32) } as *mut u32;
 
+    // The kernel this one may overlap is attn_qkv, which let it start only once the kernels
+    // before attn_qkv had finished. So the position (set before the step's first kernel) and
+    // the cache rows before it (earlier steps') are final: read before the wait, with the
+    // first tile's keys before `p0`. Key `p0` is attn_qkv's.
+    let p0 = unsafe { *pos };
+    let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
+    if p0 >= max_pos || splits > MAX_SPLITS {
+        unsafe { nvptx::trap() };
+    }
+    let n_keys = p0 + 1;
+    let chunk = n_keys.div_ceil(splits).next_multiple_of(TILE_KEYS);
+    let used = n_keys.div_ceil(chunk);
+    // The whole block leaves, before any barrier.
+    if split >= used {
+        return;
+    }
+    let first = split * chunk;
+    let end = n_keys.min(first + chunk);
+    let tiles = (end - first).div_ceil(TILE_KEYS);
+    let unit = stage_unit::<D>;
+    let load = |k0: u32| kv.stage::<D, DPL, VEC>(k0, end);
+    let mut staged = if p0 > first {
+        kv.stage::<D, DPL, VEC>(first, end.min(p0))
+    } else {
+        ([[0.0; 4]; DPL], [[0.0; 4]; DPL])
+    };
+
     // Everything from here on is the kernels' before (q and the caches from attn_qkv).
     wait_prior_grids();
     allow_next_grid();
+    // Key `p0`, if the first tile holds it.
+    if p0 < first + TILE_KEYS {
+        for i in 0..DPL {
+            let (r, d) = unit(i);
+            if first + r == p0 {
+                staged.0[i] = kv.load4::<VEC>(kv.k, p0, d, end);
+                staged.1[i] = kv.load4::<VEC>(kv.v, p0, d, end);
+            }
+        }
+    }
     // The query first: its loads do not wait for the position's.
     let my_q = unsafe { qs.add(warp as usize * D) };
     let d0 = lane * DPL as u32;
@@ -353,27 +390,7 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     };
     unsafe { store_n(my_q.add(d0 as usize), qv) };
 
-    let p0 = unsafe { *pos };
-    let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
-    if p0 >= max_pos || splits > MAX_SPLITS {
-        unsafe { nvptx::trap() };
-    }
-    let n_keys = p0 + 1;
-    let chunk = n_keys.div_ceil(splits).next_multiple_of(TILE_KEYS);
-    let used = n_keys.div_ceil(chunk);
-    // The whole block leaves, before any barrier.
-    if split >= used {
-        return;
-    }
-    let first = split * chunk;
-    let end = n_keys.min(first + chunk);
-    let tiles = (end - first).div_ceil(TILE_KEYS);
-
-    let unit = stage_unit::<D>;
-    let load = |k0: u32| kv.stage::<D, DPL, VEC>(k0, end);
-
     let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; DPL]);
-    let mut staged = load(first);
     // Every thread runs the same tiles: the barriers are reached by all.
     for t in 0..tiles {
         for i in 0..DPL {
