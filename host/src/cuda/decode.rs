@@ -326,7 +326,8 @@ impl Device {
             return Ok(());
         }
         let n_out32 = u32_of(n_out, WHAT)?;
-        let g = self.geometry(n_out, split, 0)?;
+        // Units are pairs of rows.
+        let g = self.geometry(n_out.div_ceil(2), split, 0)?;
         let name = family_kernel(WHAT, w.ty());
         let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
@@ -383,7 +384,8 @@ impl Device {
             "logits: rows, best and scratch",
         )?;
         let n_out32 = u32_of(n_out, WHAT)?;
-        let g = self.geometry(n_out, split, n_in)?;
+        // Units are pairs of rows.
+        let g = self.geometry(n_out.div_ceil(2), split, n_in)?;
         let name = family_kernel(WHAT, w.ty());
         let cfg = self.strided_launch(&name, &g)?;
         let s = self.stream();
