@@ -172,7 +172,9 @@ impl Device {
     /// head_dim]` (this call's keys already appended), into `out` (the shape of q). One row
     /// runs the split-K decode kernel, which uses `scratch` (from `attention_scratch` with the
     /// same heads and head_dim); more rows the prefill kernel. head_dim <= 128. Nothing in the
-    /// launch depends on `pos`'s value. Twin: `cpu::attention`.
+    /// launch depends on `pos`'s value. The decode kernel may overlap the kernel launched
+    /// before it (programmatic dependent launch), which must not write `pos` or the cache rows
+    /// before `pos[0]`. Twin: `cpu::attention`.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -261,8 +263,9 @@ impl Device {
         // 0..pos[0] + rows, below max_pos or they trap. Decode: partials hold [n_heads,
         // DECODE_SPLITS (the grid's y, <= 64), 4 + ceil4(head_dim)] and counters n_heads >=
         // the grid's x (the scratch's shape is checked). 256 threads and the shared memory
-        // the kernels' docs ask for. The decode kernel calls `wait_prior_grids` before it
-        // touches memory, so it may overlap the kernel before it.
+        // the kernels' docs ask for. The decode kernel reads only `pos` and the cache rows
+        // before pos[0] before it calls `wait_prior_grids`, so it may overlap a kernel before
+        // it that writes neither (the decode step's attn_qkv writes row pos[0]).
         unsafe { l.run(cfg, rows == 1) }?;
         Ok(())
     }

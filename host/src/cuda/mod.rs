@@ -203,8 +203,9 @@ impl Device {
 
 /// A kernel launch that may overlap the kernel before it (what cudarc's `launch_builder` does,
 /// plus programmatic dependent launch): the kernel's blocks start while the one before it
-/// still runs, and load what no kernel writes (their weights) until `wait_prior_grids`
-/// (gpu-kernels' util.rs) returns. In a CUDA graph this hides most of a launch's latency.
+/// still runs, and load what that kernel does not write (their weights, and what earlier
+/// kernels wrote) until `wait_prior_grids` (gpu-kernels' util.rs) returns. In a CUDA graph
+/// this hides most of a launch's latency.
 pub(crate) struct Launch<'a> {
     dev: &'a Device,
     f: &'a CudaFunction,
@@ -223,8 +224,11 @@ impl<'a> Launch<'a> {
     ///
     /// # Safety
     /// The parameters must be the kernel's, in order, and every pointer valid for what the
-    /// kernel does with `cfg`; with `overlap`, the kernel must call `wait_prior_grids` in
-    /// every thread before it reads or writes memory that any kernel before it may touch.
+    /// kernel does with `cfg`. With `overlap`, its blocks may start once every block of the
+    /// kernel launched before it has called `allow_next_grid` or exited; kernels call it only
+    /// after their own `wait_prior_grids`, so all the kernels before that one have finished:
+    /// each thread must call `wait_prior_grids` before it writes memory, or reads memory that
+    /// the kernel launched just before it may write.
     pub(crate) unsafe fn run(&mut self, cfg: LaunchConfig, overlap: bool) -> Result<()> {
         let s = &self.dev.stream;
         self.dev.ctx.bind_to_thread()?;
