@@ -289,9 +289,10 @@ pub fn prefetch_l2(p: *const f32, bytes: usize) {
 }
 
 /// Programmatic dependent launch (sm_90 and later; a no-op in the sm_80 build): waits until
-/// the grids this one was launched behind have finished and their writes are visible. A
-/// kernel launched with the host's overlap attribute calls it before it touches anything
-/// those grids read or write; until then it may only read what no kernel writes (weights).
+/// the grid this one was launched behind has finished and its writes are visible. A kernel
+/// launched with the host's overlap attribute calls it before it writes anything, or reads
+/// what that grid may write; until then it may read weights, and what earlier grids wrote
+/// (they finished before that grid let this one start: [`allow_next_grid`] comes after this).
 /// Launched without the attribute, it returns at once.
 #[inline(always)]
 pub fn wait_prior_grids() {
