@@ -44,8 +44,7 @@ fn main() {
 /// Kernels whose registers are capped (PTX's `.maxnreg`, which rustc cannot emit), and why.
 /// `gemv_residual_packed`: the FFN down projection runs it in blocks of 5 warps (rows of 4864
 /// are 152 chunks); at 96 registers 4 blocks fit on an SM (at its natural 107, 3), so the
-/// model's 448 units run in one round, and a block fits beside ffn_gate_up's two while that
-/// kernel still runs (programmatic dependent launch). H100: decode +2%.
+/// model's 448 units run in one round. H100: decode +2%.
 const MAX_REGISTERS: &[(&str, u32)] = &[("gemv_residual_packed", 96)];
 
 /// `ptx` with a `.maxnreg` directive on each kernel of `MAX_REGISTERS`.
