@@ -35,12 +35,15 @@ pub struct Device {
     overlap: bool,
 }
 
-/// Every kernel (`.visible .entry NAME(`) of `ptx`, looked up once.
+/// The kernel that a line of PTX opens (`.visible .entry NAME(`), if it opens one.
+fn entry_name(line: &str) -> Option<&str> {
+    line.strip_prefix(".visible .entry ")?.split('(').next()
+}
+
+/// Every kernel of `ptx`, looked up once.
 fn load_kernels(module: &Arc<CudaModule>, ptx: &str) -> Result<HashMap<String, CudaFunction>> {
-    let names = ptx
-        .lines()
-        .filter_map(|l| l.strip_prefix(".visible .entry ")?.split('(').next());
-    names
+    ptx.lines()
+        .filter_map(entry_name)
         .map(|name| {
             let f = module
                 .load_function(name)
@@ -297,8 +300,8 @@ mod tests {
         let mut kernel = None;
         let mut found = Vec::new();
         for line in ptx.lines() {
-            if let Some(rest) = line.strip_prefix(".visible .entry ") {
-                kernel = rest.split('(').next();
+            if let Some(name) = super::entry_name(line) {
+                kernel = Some(name);
             } else if line.trim_start().starts_with(".local")
                 && let Some(k) = kernel
             {
