@@ -217,17 +217,24 @@ fn case(rng: &mut Rng, pos: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>
 }
 
 /// The decode kernel splits the keys into slices of whole 32-key tiles, at most 64 of them
-/// (1 key: one slice; 257: nine; 2049: 33, more than one warp's lanes in the combine; 8192:
-/// 64 of 128), and combines the slices' partials in the last block to finish. Shapes: the
-/// model's, 40 q heads on 2 kv heads with head_dim 128 (groups of 20: three blocks of 8 warps
-/// per kv head, the last with 4 heads), and head_dim 41 (odd: the generic path's scalar
-/// loads).
+/// (1 key: one slice; 257: nine; 2048: 64 of 32; 2049: 33, more than one warp's lanes in
+/// the combine; 8192: 64 of 128), and combines the slices' partials in the last block to
+/// finish. Shapes: the model's; 20 q heads on 2 kv heads with head_dim 64 (groups of 10: two
+/// blocks of the fast path per kv head, the second with 2 heads); 40 on 2 with head_dim 128
+/// (groups of 20: three blocks of 8 warps per kv head, the last with 4 heads); and head_dim
+/// 41 (odd: the generic path's scalar loads).
 #[test]
 fn attention_decode_matches_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(14);
-    for (n_heads, n_kv, head_dim) in [(N_HEADS, N_KV, HEAD_DIM), (40, 2, 128), (6, 2, 41)] {
-        for n_keys in [1, 2, 17, 257, 1000, 2049, 4097, 8192] {
+    let shapes = [
+        (N_HEADS, N_KV, HEAD_DIM),
+        (20, 2, 64),
+        (40, 2, 128),
+        (6, 2, 41),
+    ];
+    for (n_heads, n_kv, head_dim) in shapes {
+        for n_keys in [1, 2, 17, 257, 1000, 2048, 2049, 4097, 8192] {
             let (q, k, v, want) = decode_case(&mut rng, n_keys, n_heads, n_kv, head_dim);
             let got = gpu_attention(&dev, &q, &k, &v, n_keys - 1, n_heads, n_kv, head_dim);
             let err = max_err(&got, &want);
@@ -276,7 +283,9 @@ fn attention_decode_reuses_its_scratch() {
     let mut scratch = dev.attention_scratch(N_HEADS, HEAD_DIM).unwrap();
     let mut out = dev.zeros::<f32>(N_HEADS * HEAD_DIM).unwrap();
     let mut previous = Vec::new();
-    for n_keys in [8192, 1, 300, 4097, 33, 8192, 2, 2, 1000, 1000] {
+    for n_keys in [
+        8192, 1, 300, 4097, 33, 8192, 2, 2, 1000, 1000, 2048, 2049, 2048,
+    ] {
         let q = rand(&mut rng, N_HEADS * HEAD_DIM, 3.5);
         let mut want = vec![0.0; q.len()];
         let (kn, vn) = (&k[..n_keys * kv_dim], &v[..n_keys * kv_dim]);
