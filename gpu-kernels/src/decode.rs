@@ -30,8 +30,8 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
 use crate::util::{
-    better, block, block_sum, exp, grid_dim, load_early, prefetch_l2, shared, sync_threads, thread,
-    threadfence,
+    better, block, block_dim, block_sum, exp, grid_dim, load_early, prefetch_l2, shared,
+    sync_threads, thread, threadfence,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block,
@@ -240,8 +240,11 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 }
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
-/// place on the residual stream. Units are pairs of rows. Grid: any number of blocks (they
-/// stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
+/// place on the residual stream. Units are pairs of rows. For packed weights, a grid that
+/// takes every unit in one round stages `v` once per block in shared memory for all its units
+/// (so that few blocks of many units read few copies of it). Grid: any number of blocks (they
+/// stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per warp,
+/// or for packed weights as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemv_residual_family<const F: u32>(
@@ -258,7 +261,21 @@ unsafe fn gemv_residual_family<const F: u32>(
     let c = lane_chunk(split, chunks);
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
-        let held = || (Held::load::<W, true>(v, c, n_in), ());
+        let units = n_out.div_ceil(2);
+        // Staged where the host launches few blocks of many units (packed weights) and they
+        // take every unit in one round; else each lane loads its own chunk, so that the next
+        // round's weight loads go out before `v` arrives, not after a barrier.
+        let staged = F == family::PACKED && grid_dim() * (block_dim() / 32 / split) >= units;
+        let held = || {
+            if staged {
+                // No norm: weights null.
+                stage::<W>(v, core::ptr::null(), n_in);
+                sync_threads();
+                (Held::staged(c), ())
+            } else {
+                (Held::load::<W, true>(v, c, n_in), ())
+            }
+        };
         let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
         // The rows of y (and the bias) are loaded before the products, added after.
         let out = |u: u32, _| {
@@ -273,7 +290,6 @@ unsafe fn gemv_residual_family<const F: u32>(
                 }
             }
         };
-        let units = n_out.div_ceil(2);
         gemv_units::<W, (), _, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
     })
 }

@@ -226,7 +226,7 @@ fn staging() -> *mut f32 {
     shared::<f32>().wrapping_add(slots as usize)
 }
 
-/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights) in shared memory for the block's GEMV
+/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights, or null for `x`) in shared memory for the block's GEMV
 /// lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of chunk `c`'s
 /// halves (unscaled) at `STAGED·c + 32` and `+ 33`. Each element is loaded once per block, not
 /// once per warp. Returns this thread's share of the sum of the squares of `x`. Every thread of
@@ -247,7 +247,11 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: *const f32, n: u32) -> f32 {
         let (mut v, g4) = unsafe {
             (
                 (*(x.add(k) as *const F32x4)).0,
-                (*(g.add(k) as *const F32x4)).0,
+                if g.is_null() {
+                    [1.0; 4]
+                } else {
+                    (*(g.add(k) as *const F32x4)).0
+                },
             )
         };
         // Indexed: LLVM keeps a zip of the two arrays on the stack, in local memory.
