@@ -326,4 +326,39 @@ mod tests {
             );
         }
     }
+
+    /// CUDA's PTX assembler accepts both builds for their targets: PTX that the driver's JIT
+    /// would refuse at run time (an instruction or modifier that the PTX version rustc writes
+    /// cannot spell) fails here, without a GPU. `ORCD_PTXAS` names ptxas, else the PATH's;
+    /// without one the test says it is skipped.
+    #[test]
+    fn ptx_assembles_for_its_targets() {
+        use std::process::Command;
+        let ptxas = std::env::var_os("ORCD_PTXAS").unwrap_or_else(|| "ptxas".into());
+        if Command::new(&ptxas).arg("--version").output().is_err() {
+            println!(
+                "skipped: no ptxas (ORCD_PTXAS or the PATH; the nvidia-cuda-nvcc wheels have one)"
+            );
+            return;
+        }
+        let dir = std::env::temp_dir().join(format!("orcd-ptxas-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for (arch, ptx) in [("sm_80", crate::PTX), ("sm_90", crate::PTX_SM90)] {
+            let src = dir.join(format!("{arch}.ptx"));
+            std::fs::write(&src, ptx).unwrap();
+            let out = Command::new(&ptxas)
+                .arg(format!("-arch={arch}"))
+                .arg(&src)
+                .arg("-o")
+                .arg(dir.join(format!("{arch}.cubin")))
+                .output()
+                .unwrap();
+            assert!(
+                out.status.success(),
+                "ptxas -arch={arch}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
 }
