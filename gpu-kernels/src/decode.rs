@@ -45,7 +45,7 @@ fn held_norm<W: Weights>(
     eps: f32,
     split: u32,
 ) -> (Held, f32) {
-    let ss = stage::<W>(x, g, n_in);
+    let ss = stage::<W>(x, Some(g), n_in);
     // The sum's barrier also publishes the staged vector.
     let s = 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps);
     (Held::staged(lane_chunk(split, n_in / 32)), s)
@@ -268,8 +268,7 @@ unsafe fn gemv_residual_family<const F: u32>(
         let staged = F == family::PACKED && grid_dim() * (block_dim() / 32 / split) >= units;
         let held = || {
             if staged {
-                // No norm: weights null.
-                stage::<W>(v, core::ptr::null(), n_in);
+                stage::<W>(v, None, n_in);
                 sync_threads();
                 (Held::staged(c), ())
             } else {

@@ -226,15 +226,15 @@ fn staging() -> *mut f32 {
     shared::<f32>().wrapping_add(slots as usize)
 }
 
-/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights, or null for `x`) in shared memory for the block's GEMV
-/// lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of chunk `c`'s
+/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights; `x` itself for None) in shared memory
+/// for the block's GEMV lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of chunk `c`'s
 /// halves (unscaled) at `STAGED·c + 32` and `+ 33`. Each element is loaded once per block, not
 /// once per warp. Returns this thread's share of the sum of the squares of `x`. Every thread of
 /// the block calls it; the staged vector may be read after the next barrier. `x` and `g`
 /// 16-byte aligned, `n % 32 == 0`. Shared (of the kernels that stage): `max(32, 2·warps)` f32
 /// (rounded up to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
 #[inline(always)]
-pub(crate) fn stage<W: Weights>(x: *const f32, g: *const f32, n: u32) -> f32 {
+pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) -> f32 {
     let (at, groups) = (staging(), n as usize / 4);
     // Groups of 4 elements, 8 a chunk; a thread takes groups `thread() + k·blockDim`, so each
     // half chunk is 4 neighbouring lanes, which add up their sums by two shuffles.
@@ -247,10 +247,10 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: *const f32, n: u32) -> f32 {
         let (mut v, g4) = unsafe {
             (
                 (*(x.add(k) as *const F32x4)).0,
-                if g.is_null() {
-                    [1.0; 4]
-                } else {
-                    (*(g.add(k) as *const F32x4)).0
+                // A constant at every call site once inlined: no branch in the loop.
+                match g {
+                    Some(g) => (*(g.add(k) as *const F32x4)).0,
+                    None => [1.0; 4],
                 },
             )
         };
