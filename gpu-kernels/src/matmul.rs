@@ -226,13 +226,13 @@ fn staging() -> *mut f32 {
     shared::<f32>().wrapping_add(slots as usize)
 }
 
-/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights; `x` itself for None) in shared memory
-/// for the block's GEMV lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of chunk `c`'s
-/// halves (unscaled) at `STAGED·c + 32` and `+ 33`. Each element is loaded once per block, not
-/// once per warp. Returns this thread's share of the sum of the squares of `x`. Every thread of
-/// the block calls it; the staged vector may be read after the next barrier. `x` and `g`
-/// 16-byte aligned, `n % 32 == 0`. Shared (of the kernels that stage): `max(32, 2·warps)` f32
-/// (rounded up to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
+/// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights; `x` itself for None) in shared memory for
+/// the block's GEMV lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of
+/// chunk `c`'s halves (unscaled) at `STAGED·c + 32` and `+ 33`. Each element is loaded once per
+/// block, not once per warp. Returns this thread's share of the sum of the squares of `x`. Every
+/// thread of the block calls it; the staged vector may be read after the next barrier. `x` and
+/// `g` 16-byte aligned, `n % 32 == 0`. Shared (of the kernels that stage): `max(32, 2·warps)`
+/// f32 (rounded up to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
 #[inline(always)]
 pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) -> f32 {
     let (at, groups) = (staging(), n as usize / 4);
