@@ -42,9 +42,9 @@ fn main() {
 }
 
 /// Kernels whose registers are capped (PTX's `.maxnreg`, which rustc cannot emit), and why.
-/// `gemv_residual_packed`: the FFN down projection runs it in blocks of 5 warps (rows of 4864
-/// are 152 chunks); at 96 registers 4 blocks fit on an SM (at its natural 107, 3), so the
-/// model's 448 units run in one round. H100: decode +2%.
+/// `gemv_residual_packed`: the FFN down projection runs it with 5 warps per unit (rows of 4864
+/// are 152 chunks), 4 units a block (`staged_geometry`: one block per SM, all 448 units in one
+/// round); 640 threads fit on an SM at 96 registers, not at the kernel's natural 109 (ptxas).
 const MAX_REGISTERS: &[(&str, u32)] = &[("gemv_residual_packed", 96)];
 
 /// `ptx` with a `.maxnreg` directive on each kernel of `MAX_REGISTERS`.

@@ -279,9 +279,9 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) ->
 }
 
 impl Held {
-    /// Elements `32c..32c + 32` of `x` (`n` long), loaded by this lane: for kernels whose
-    /// lanes each need their own chunk (no norm, so no barrier to share one behind). `VEC`:
-    /// `x` 16-byte aligned and `n % 32 == 0`; else element by element, zeros past `n`.
+    /// Elements `32c..32c + 32` of `x` (`n` long), loaded by this lane: for kernels that do
+    /// not [`stage`] the vector (no barrier for the lane's loads to wait behind). `VEC`: `x`
+    /// 16-byte aligned and `n % 32 == 0`; else element by element, zeros past `n`.
     #[inline(always)]
     pub(crate) fn load<W: Weights, const VEC: bool>(x: *const f32, c: u32, n: u32) -> Held {
         let (k0, n) = (32 * c as usize, n as usize);
