@@ -218,7 +218,9 @@ fn case(rng: &mut Rng, pos: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>
 
 /// The decode kernel splits the keys into slices of whole 32-key tiles, at most 64 of them
 /// (1 key: one slice; 257: nine; 2048: 64 of 32; 2049: 33, more than one warp's lanes in
-/// the combine; 8192: 64 of 128), and combines the slices' partials in the last block to
+/// the combine; 8192: 64 of 128, four tiles, which `_hd64` loads together before it waits;
+/// 10240: 64 of 160, five tiles, the fifth, which holds the last key, loaded after the wait
+/// into `_hd64`'s first buffer again), and combines the slices' partials in the last block to
 /// finish. Shapes: the model's; 20 q heads on 2 kv heads with head_dim 64 (groups of 10: two
 /// blocks of the fast path per kv head, the second with 2 heads); 40 on 2 with head_dim 128
 /// (groups of 20: three blocks of 8 warps per kv head, the last with 4 heads); and head_dim
@@ -234,7 +236,7 @@ fn attention_decode_matches_cpu() {
         (6, 2, 41),
     ];
     for (n_heads, n_kv, head_dim) in shapes {
-        for n_keys in [1, 2, 17, 257, 1000, 2048, 2049, 4097, 8192] {
+        for n_keys in [1, 2, 17, 257, 1000, 2048, 2049, 4097, 8192, 10240] {
             let (q, k, v, want) = decode_case(&mut rng, n_keys, n_heads, n_kv, head_dim);
             let got = gpu_attention(&dev, &q, &k, &v, n_keys - 1, n_heads, n_kv, head_dim);
             let err = max_err(&got, &want);
