@@ -221,9 +221,9 @@ pub unsafe extern "gpu-kernel" fn kv_append(
     }
 }
 
-/// An entry point of the decode kernel: `decode::<D, DPL, VEC, NT>`.
+/// An entry point of the decode kernel: `decode::<D, DPL, VEC>`.
 macro_rules! decode_kernel {
-    ($(#[$doc:meta])* $name:ident => $d:literal, $dpl:literal, $vec:literal, $nt:literal) => {
+    ($(#[$doc:meta])* $name:ident => $d:literal, $dpl:literal, $vec:literal) => {
         $(#[$doc])*
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
@@ -245,8 +245,7 @@ macro_rules! decode_kernel {
                 unsafe { nvptx::trap() };
             }
             let a = (out, q, k_cache, v_cache, pos, partials, counters);
-            let n = (n_heads, n_kv, head_dim, max_pos, scale);
-            unsafe { decode::<$d, $dpl, $vec, $nt>(a, n) }
+            unsafe { decode::<$d, $dpl, $vec>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
         }
     };
 }
@@ -259,7 +258,7 @@ decode_kernel!(
     /// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
     /// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
     /// over slice `s` of the keys, so each K/V row is read once for all of them. Block: 256
-    /// threads. Shared: 38,416 bytes (one tile buffer; `_hd64`: see there). Scratch:
+    /// threads. Shared: 38,416 bytes (the `D = 128` path's; the other needs less). Scratch:
     /// `partials = [n_heads, splits, 4 + ceil4(head_dim)]` f32 (per head and slice: max `m`,
     /// sum `l`, two unused, then the unnormalised output) and `counters = [gridDim.x]` u32,
     /// zero before the first launch (and left zero by every launch).
@@ -268,14 +267,13 @@ decode_kernel!(
     /// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on
     /// the device, so the launch does not depend on the position. Blocks past the last key
     /// have nothing to do and leave at once. Per tile (its K and V staged in shared memory by
-    /// 16-byte loads, the next tile's loads in flight during the current one's math; `_hd64`
-    /// loads its first 4 tiles at once), lane `i`
+    /// 16-byte loads, the next tile's loads in flight during the current one's math), lane `i`
     /// of each warp scores key `i` against its head's query, and the warp updates the head's
     /// online softmax and its output dims `D/32` per lane. Each block stores its heads'
     /// partials; the last block of `x` to finish, by an atomic count of the slices in use,
     /// combines the partials of its heads into `out` in a fixed order (so the result does not
     /// depend on which block came last) and zeroes the count for the next launch.
-    attention_decode => 128, 4, false, 1
+    attention_decode => 128, 4, false
 );
 
 decode_kernel!(
@@ -283,12 +281,7 @@ decode_kernel!(
     /// aligned (the host checks; traps on another head_dim): 16-byte loads throughout. A kernel
     /// of its own, so that it has only the registers its path needs (the generic path's combine
     /// holds twice as many), and its blocks fit on an SM beside the kernels before and after it.
-    ///
-    /// It has 4 tile buffers (shared: 70,672 bytes) and loads a block's first 4 tiles together
-    /// before it waits for the kernel before: with 64 slices, every tile of every block up to
-    /// 8192 keys (H100, decode after a prompt of 7,900 tokens: 1,410 -> 1,500 tok/s; of 4,000:
-    /// 1,646 -> 1,691; one tile per block up to 2048 keys, as before).
-    attention_decode_hd64 => 64, 2, true, 4
+    attention_decode_hd64 => 64, 2, true
 );
 
 type DecodePtrs = (
@@ -303,12 +296,11 @@ type DecodePtrs = (
 
 /// `attention_decode` for head dims padded to `D` (see the module's doc). `DPL = D / 32`: the
 /// output dims per lane, `lane * DPL..`; also the K (and V) units of 4 floats a thread stages
-/// per tile (32 keys of `D / 4` units over 256 threads). `NT` (1..=4): tile buffers in shared
-/// memory, the first `NT` tiles' loads all in flight before the wait.
+/// per tile (32 keys of `D / 4` units over 256 threads).
 #[inline(always)]
 // The combine's unrolled batches: the last one's update of the running max is not read.
 #[allow(unused_assignments)]
-unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool, const NT: usize>(
+unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     (out, q, k_cache, v_cache, pos, partials, counters): DecodePtrs,
     (n_heads, n_kv, head_dim, max_pos, scale): (u32, u32, u32, u32, f32),
 ) {
@@ -331,21 +323,17 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool, const NT: us
     // This lane's output dims hold data (in the partials' rows).
     let lane_live = VEC || lane * (DPL as u32) < hd;
 
-    // `NT` tile buffers, each K `[32][D + 4]` (+ 4 so that lane-per-key 16-byte reads hit
-    // distinct banks) then V `[32][D]`; then the queries `[8][D]`, the weights `[8][32]` and
-    // the last-block flag.
     let smem = shared::<F32x4>() as *mut f32;
-    let tile_len = 32 * (2 * D + 4);
-    let ks_at = |b: usize| unsafe { smem.add(b * tile_len) };
-    let vs_at = |b: usize| unsafe { ks_at(b).add(32 * (D + 4)) };
-    let qs = unsafe { smem.add(NT * tile_len) };
-    let ps = unsafe { qs.add(8 * D) };
+    let ks = smem; // [32][D + 4]: + 4 so that lane-per-key 16-byte reads hit distinct banks
+    let vs = unsafe { ks.add(32 * (D + 4)) }; // [32][D]
+    let qs = unsafe { vs.add(32 * D) }; // [8][D]
+    let ps = unsafe { qs.add(8 * D) }; // [8][32]
     let is_last = unsafe { ps.add(8 * 32) } as *mut u32;
 
     // The kernel this one may overlap is attn_qkv, which let it start only once the kernels
     // before attn_qkv had finished. So the position (set before the step's first kernel) and
     // the cache rows before it (earlier steps') are final: read before the wait, with the
-    // first `NT` tiles' keys before `p0`. Key `p0` is attn_qkv's.
+    // first tile's keys before `p0`. Key `p0` is attn_qkv's.
     let p0 = unsafe { *pos };
     let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
     if p0 >= max_pos || splits > MAX_SPLITS {
@@ -363,53 +351,22 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool, const NT: us
     let tiles = (end - first).div_ceil(TILE_KEYS);
     let unit = stage_unit::<D>;
     let load = |k0: u32| kv.stage::<D, DPL, VEC>(k0, end);
-    // Where this thread's staging unit `i` of K and of V goes in buffer `b`.
-    let slots = |b: usize, i: usize| {
-        let (r, d) = (unit(i).0 as usize, unit(i).1 as usize);
-        unsafe {
-            (
-                ks_at(b).add(r * (D + 4) + d) as *mut F32x4,
-                vs_at(b).add(r * D + d) as *mut F32x4,
-            )
-        }
+    let mut staged = if p0 > first {
+        kv.stage::<D, DPL, VEC>(first, end.min(p0))
+    } else {
+        ([[0.0; 4]; DPL], [[0.0; 4]; DPL])
     };
-    let store_tile = |b: usize, (kt, vt): ([[f32; 4]; DPL], [[f32; 4]; DPL])| {
-        for i in 0..DPL {
-            let (k, v) = slots(b, i);
-            unsafe { (*k, *v) = (F32x4(kt[i]), F32x4(vt[i])) };
-        }
-    };
-    // Every load of the first tiles goes out before the first store waits for one (written
-    // out: an array indexed in a loop would live in local memory).
-    const { assert!(NT <= 4) };
-    let pre = tiles.min(NT as u32);
-    let mut early = [([[0.0; 4]; DPL], [[0.0; 4]; DPL]); 4];
-    unroll!(b in 0..NT; 4, {
-        let k0 = first + TILE_KEYS * b as u32;
-        if (b as u32) < pre && p0 > k0 {
-            early[b] = kv.stage::<D, DPL, VEC>(k0, end.min(p0));
-        }
-    });
-    unroll!(b in 0..NT; 4, {
-        if (b as u32) < pre {
-            store_tile(b, early[b]);
-        }
-    });
 
     // Everything from here on is the kernels' before (q and the caches from attn_qkv).
     wait_prior_grids();
     allow_next_grid();
-    // Key `p0`, if an early tile holds it (a later one is loaded after the wait).
-    let tp = (p0 - first) / TILE_KEYS;
-    if tp < pre {
+    // Key `p0`, if the first tile holds it.
+    if p0 < first + TILE_KEYS {
         for i in 0..DPL {
             let (r, d) = unit(i);
-            if first + TILE_KEYS * tp + r == p0 {
-                let (k, v) = slots(tp as usize, i);
-                unsafe {
-                    *k = F32x4(kv.load4::<VEC>(kv.k, p0, d, end));
-                    *v = F32x4(kv.load4::<VEC>(kv.v, p0, d, end));
-                }
+            if first + r == p0 {
+                staged.0[i] = kv.load4::<VEC>(kv.k, p0, d, end);
+                staged.1[i] = kv.load4::<VEC>(kv.v, p0, d, end);
             }
         }
     }
@@ -434,20 +391,21 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool, const NT: us
     unsafe { store_n(my_q.add(d0 as usize), qv) };
 
     let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; DPL]);
-    // Every thread runs the same tiles: the barriers are reached by all. Tile `t` is in
-    // buffer `t % NT`; tile `t + NT`'s loads fly during `t`'s math, and it takes the buffer
-    // after (with 64 slices, up to 8192 keys no block has more than 4 tiles: none).
+    // Every thread runs the same tiles: the barriers are reached by all.
     for t in 0..tiles {
-        let b = t as usize % NT;
-        let (ks, vs) = (ks_at(b), vs_at(b));
+        for i in 0..DPL {
+            let (r, d) = unit(i);
+            unsafe {
+                *(ks.add(r as usize * (D + 4) + d as usize) as *mut F32x4) = F32x4(staged.0[i]);
+                *(vs.add(r as usize * D + d as usize) as *mut F32x4) = F32x4(staged.1[i]);
+            }
+        }
         sync_threads();
         let k0 = first + t * TILE_KEYS;
-        let refill = t + (NT as u32) < tiles;
-        let staged = if refill {
-            load(k0 + TILE_KEYS * NT as u32)
-        } else {
-            ([[0.0; 4]; DPL], [[0.0; 4]; DPL])
-        };
+        // The next tile's loads fly during the math (most blocks have one tile: none).
+        if t + 1 < tiles {
+            staged = load(k0 + TILE_KEYS);
+        }
         // Warp-uniform: the shuffles inside see every lane.
         if active {
             // Lane `lane` scores key `k0 + lane`, in four independent FMA chains.
@@ -492,11 +450,8 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool, const NT: us
                 *a = fma(*a, c, part[0][i] + part[1][i]);
             }
         }
-        // Everyone is done with the buffer before a later tile overwrites it.
+        // Everyone is done with the tile before the next one overwrites it.
         sync_threads();
-        if refill {
-            store_tile(b, staged);
-        }
     }
 
     // Partial rows: [m, l, -, -, acc[ceil4(hd)]], 16-byte aligned.

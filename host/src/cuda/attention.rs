@@ -13,12 +13,9 @@ const ATTN_THREADS: u32 = 256;
 const PREFILL_ROWS: usize = 64;
 /// Shared memory of the prefill kernel: one round of K and V tiles as f16 halves.
 const PREFILL_SHARED_BYTES: u32 = 32768;
-/// Shared memory of the decode kernel for head dims padded to `d` with `tiles` tile buffers:
-/// per buffer K `[32][d + 4]` and V `[32][d]`, then 8 queries of `d` and 8 × 32 weights, f32,
-/// and the last-block flag.
-const fn decode_shared_bytes(d: usize, tiles: usize) -> u32 {
-    ((tiles * 32 * (2 * d + 4) + 8 * d + 8 * 32) * 4 + 16) as u32
-}
+/// Shared memory of the decode kernel, for head dims padded to 128: K `[32][132]`, V
+/// `[32][128]`, 8 queries of 128 and 8 × 32 weights, f32, and the last-block flag.
+const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4 + 16) as u32;
 /// The kernels keep a head's output dims in registers, four per lane.
 const MAX_HEAD_DIM: usize = 128;
 /// Key slices of the decode kernel (its grid's y, at most 64). With the model's 2 kv heads
@@ -232,14 +229,12 @@ impl Device {
             let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
             let grid = (n_kv_heads * per_kv, DECODE_SPLITS);
             let vec = hd == 64 && [op, qp, kc, vc, sp].iter().all(|p| p % 16 == 0);
-            // The kernels' tile buffers (gpu-kernels' `NT`): 4 and 1.
-            let (name, shared) = if vec {
-                ("attention_decode_hd64", decode_shared_bytes(64, 4))
+            let name = if vec {
+                "attention_decode_hd64"
             } else {
-                ("attention_decode", decode_shared_bytes(128, 1))
+                "attention_decode"
             };
-            super::allow_shared(self.kernel(name), shared)?;
-            (name, grid, shared)
+            (name, grid, DECODE_SHARED_BYTES)
         } else {
             let grid = (rows.div_ceil(PREFILL_ROWS), n_heads);
             ("attention_prefill", grid, PREFILL_SHARED_BYTES)
