@@ -107,12 +107,18 @@ unsafe extern "C" {
     fn bar_warp_sync(mask: u32);
 }
 
-/// `fence.acq_rel.gpu`: with a relaxed atomic after it, a release of this thread's (and,
-/// through a barrier, its block's) writes before it; after one, an acquire of what the
-/// writers released. Lighter than `threadfence`'s `fence.sc`.
+/// `*p += 1` by `atom.acq_rel.gpu`, returning the old value: a release of this thread's (and,
+/// through a barrier, its block's) writes before it, and an acquire of what the threads
+/// whose increments came before released. One instruction costs less than the same with
+/// `fence.acq_rel.gpu` before and after a relaxed atomic (H100: decode +1.9%).
 #[inline(always)]
-fn fence_acq_rel_gpu() {
-    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+unsafe fn count_acq_rel(p: *mut u32) -> u32 {
+    let old: u32;
+    unsafe {
+        asm!("atom.acq_rel.gpu.global.add.u32 {0}, [{1}], 1;", out(reg32) old, in(reg64) p,
+            options(nostack))
+    };
+    old
 }
 
 /// Brings the line of `p` (global memory) into L1: the compiler may place a load long after
@@ -467,20 +473,17 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
             unsafe { store_n(mine.add(4 + d0 as usize), acc) };
         }
     }
-    // The block's partials are written; thread 0 publishes them (its release fence orders the
-    // whole block's writes, seen through the barrier, before its count: the pattern of the
-    // cooperative-groups grid barrier, with acq_rel fences for its `__threadfence`s).
+    // The block's partials are written; thread 0 publishes them (its count's release orders
+    // the whole block's writes, seen through the barrier, before it; the last block's count
+    // acquires the others' partials, which its threads read after the next barrier).
     sync_threads();
     if thread() == 0 {
+        let count = unsafe { counters.add(block() as usize) };
         // SAFETY: the word is this block row's counter in global memory, only used atomically
         // while blocks of this launch run.
-        let count = unsafe { AtomicU32::from_ptr(counters.add(block() as usize)) };
-        fence_acq_rel_gpu();
-        let done = count.fetch_add(1, Relaxed) + 1 == used;
+        let done = unsafe { count_acq_rel(count) } + 1 == used;
         if done {
-            count.store(0, Relaxed);
-            // Acquire: the other blocks' partials are read after their counts.
-            fence_acq_rel_gpu();
+            unsafe { AtomicU32::from_ptr(count) }.store(0, Relaxed);
         }
         unsafe { *is_last = done as u32 };
     }
