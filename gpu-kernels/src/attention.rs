@@ -16,8 +16,8 @@ use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, exp, fma, grid_dim,
-    ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
+    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, count_acq_rel, exp, fma,
+    grid_dim, ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
     wait_prior_grids, warp_max, warp_sum,
 };
 
@@ -105,20 +105,6 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn bar_warp_sync(mask: u32);
-}
-
-/// `*p += 1` by `atom.acq_rel.gpu`, returning the old value: a release of this thread's (and,
-/// through a barrier, its block's) writes before it, and an acquire of what the threads
-/// whose increments came before released. One instruction costs less than the same with
-/// `fence.acq_rel.gpu` before and after a relaxed atomic (H100: decode +1.9%).
-#[inline(always)]
-unsafe fn count_acq_rel(p: *mut u32) -> u32 {
-    let old: u32;
-    unsafe {
-        asm!("atom.acq_rel.gpu.global.add.u32 {0}, [{1}], 1;", out(reg32) old, in(reg64) p,
-            options(nostack))
-    };
-    old
 }
 
 /// Brings the line of `p` (global memory) into L1: the compiler may place a load long after

@@ -30,8 +30,8 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
 use crate::util::{
-    better, block, block_dim, block_sum, exp, grid_dim, load_early, prefetch_l2, shared,
-    sync_threads, thread, threadfence,
+    better, block, block_dim, block_sum, count_acq_rel, exp, grid_dim, load_early, prefetch_l2,
+    shared, sync_threads, thread,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block,
@@ -377,22 +377,15 @@ fn grid_argmax(v: f32, i: u32, best: *mut u32, scratch: *mut u64) {
     if thread() != 0 {
         return;
     }
+    let count = scratch.wrapping_add(1) as *mut u32;
     // SAFETY: the two scratch words in global memory are only used atomically while blocks
     // of this launch run.
-    let (key, count) = unsafe {
-        (
-            AtomicU64::from_ptr(scratch),
-            AtomicU32::from_ptr(scratch.add(1) as *mut u32),
-        )
-    };
+    let key = unsafe { AtomicU64::from_ptr(scratch) };
     key.fetch_max(unsafe { *slot }, Relaxed);
-    // Release: the max is in before the count says so.
-    threadfence();
-    if count.fetch_add(1, Relaxed) + 1 == grid_dim() {
-        // Acquire: every block's max is read after its count.
-        threadfence();
+    // The count releases the max; the last block's acquires every block's.
+    if unsafe { count_acq_rel(count) } + 1 == grid_dim() {
         let k = key.swap(0, Relaxed);
-        count.store(0, Relaxed);
+        unsafe { AtomicU32::from_ptr(count) }.store(0, Relaxed);
         unsafe { *best = if k == 0 { u32::MAX } else { !(k as u32) } };
     }
 }
