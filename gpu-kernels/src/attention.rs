@@ -13,10 +13,9 @@
 //! kernel picks at run time, the decode kernel is two (`attention_decode_hd64` and
 //! `attention_decode`) and the host picks.
 use core::arch::{asm, nvptx};
-use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, count_acq_rel, exp, fma,
+    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, count_last, exp, fma,
     grid_dim, ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
     wait_prior_grids, warp_max, warp_sum,
 };
@@ -464,13 +463,9 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     // acquires the others' partials, which its threads read after the next barrier).
     sync_threads();
     if thread() == 0 {
-        let count = unsafe { counters.add(block() as usize) };
         // SAFETY: the word is this block row's counter in global memory, only used atomically
         // while blocks of this launch run.
-        let done = unsafe { count_acq_rel(count) } + 1 == used;
-        if done {
-            unsafe { AtomicU32::from_ptr(count) }.store(0, Relaxed);
-        }
+        let done = unsafe { count_last(counters.add(block() as usize), used) };
         unsafe { *is_last = done as u32 };
     }
     sync_threads();

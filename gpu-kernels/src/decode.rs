@@ -26,11 +26,11 @@
 use core::arch::nvptx;
 use core::cell::Cell;
 use core::intrinsics::sqrtf32;
-use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
 use crate::util::{
-    better, block, block_dim, block_sum, count_acq_rel, exp, grid_dim, load_early, prefetch_l2,
+    better, block, block_dim, block_sum, count_last, exp, grid_dim, load_early, prefetch_l2,
     shared, sync_threads, thread,
 };
 
@@ -377,15 +377,13 @@ fn grid_argmax(v: f32, i: u32, best: *mut u32, scratch: *mut u64) {
     if thread() != 0 {
         return;
     }
-    let count = scratch.wrapping_add(1) as *mut u32;
     // SAFETY: the two scratch words in global memory are only used atomically while blocks
     // of this launch run.
     let key = unsafe { AtomicU64::from_ptr(scratch) };
     key.fetch_max(unsafe { *slot }, Relaxed);
     // The count releases the max; the last block's acquires every block's.
-    if unsafe { count_acq_rel(count) } + 1 == grid_dim() {
+    if unsafe { count_last(scratch.wrapping_add(1) as *mut u32, grid_dim()) } {
         let k = key.swap(0, Relaxed);
-        unsafe { AtomicU32::from_ptr(count) }.store(0, Relaxed);
         unsafe { *best = if k == 0 { u32::MAX } else { !(k as u32) } };
     }
 }

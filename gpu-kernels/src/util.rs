@@ -1,5 +1,6 @@
 //! Thread indices and warp/block reductions shared by the kernel families.
 use core::arch::{asm, nvptx};
+use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 pub const WARP: u32 = 32;
 const FULL_MASK: u32 = 0xffff_ffff;
@@ -129,20 +130,26 @@ pub fn warp_max(mut v: f32) -> f32 {
     v
 }
 
-/// `*p += 1` (a word in global memory) by `atom.acq_rel.gpu`, returning the old value: the
-/// count of the last-block pattern. Its release orders this thread's writes before it (and,
-/// through a barrier, its block's) before the count; its acquire, in the block that counts
-/// last, orders what the blocks that counted before it released before its reads after it
-/// (and, through a barrier, its block's). One instruction costs less than the same with a
-/// fence before and after a relaxed atomic (H100: decode +1.9%).
+/// The count of the last-block pattern: `*p += 1` (a word in global memory, 0 before the
+/// first of `n` callers) by `atom.acq_rel.gpu`; true for the call that makes it `n`, which
+/// sets it back to 0 for the next launch. Its release orders this thread's writes before it
+/// (and, through a barrier, its block's) before the count; its acquire, in the last caller,
+/// orders what the callers before it released before its reads after it (and, through a
+/// barrier, its block's). One instruction costs less than the same with a fence before and
+/// after a relaxed atomic (H100: decode +1.9%).
 #[inline(always)]
-pub unsafe fn count_acq_rel(p: *mut u32) -> u32 {
+pub unsafe fn count_last(p: *mut u32, n: u32) -> bool {
     let old: u32;
     unsafe {
         asm!("atom.acq_rel.gpu.global.add.u32 {0}, [{1}], 1;", out(reg32) old, in(reg64) p,
             options(nostack))
     };
-    old
+    let last = old + 1 == n;
+    if last {
+        // SAFETY: the caller's word, only used atomically while this launch runs.
+        unsafe { AtomicU32::from_ptr(p) }.store(0, Relaxed);
+    }
+    last
 }
 
 /// Blocks in the grid.
