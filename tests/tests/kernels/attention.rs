@@ -221,9 +221,9 @@ fn case(rng: &mut Rng, pos: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>
 /// the combine; 8192: 64 of 128, four tiles; 10240: 64 of 160, five tiles, the last key in
 /// the fifth), and combines the slices' partials in the last block to finish. Shapes: the
 /// model's; 20 q heads on 2 kv heads with head_dim 64 (groups of 10: two blocks of the fast
-/// path per kv head, the second with 2 heads); 40 on 2 with head_dim 128
-/// (groups of 20: three blocks of 8 warps per kv head, the last with 4 heads); and head_dim
-/// 41 (odd: the generic path's scalar loads).
+/// path per kv head, the second with 2 heads); 40 on 2 with head_dim 128 (groups of 20: three
+/// blocks of 8 warps per kv head, the last with 4 heads); and head_dim 41 (odd: the generic
+/// path's scalar loads).
 #[test]
 fn attention_decode_matches_cpu() {
     let Some(dev) = gpu() else { return };
