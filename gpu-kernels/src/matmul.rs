@@ -17,10 +17,11 @@ use crate::util::{
     wait_prior_grids, warp_sum, warp_sum4,
 };
 
-/// `T` 16-byte aligned: a vector load of 8 plain floats (16 bytes of f16, 32 of f32).
+/// `T` 16-byte aligned: a vector load of 8 plain floats (16 bytes of f16, 32 of f32), or a
+/// vector store.
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
-pub(crate) struct Align16<T>(T);
+pub(crate) struct Align16<T>(pub(crate) T);
 
 /// `bias[i]`, or 0 for a null bias.
 #[inline(always)]

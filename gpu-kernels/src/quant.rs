@@ -1,6 +1,6 @@
 //! Quantized weight matrices in the GPU layout of `orcd::pack` ("packed": the file's bits,
-//! rearranged at load into 16-byte-aligned sections), decoded in registers, and the
-//! token-embedding row gather. CPU twin: `orcd::pack::dequantize_packed`, which equals
+//! rearranged at load into 16-byte-aligned sections), decoded in registers, the
+//! token-embedding row gather and the conversion of a matrix to f16. CPU twin: `orcd::pack::dequantize_packed`, which equals
 //! `orcd::quant::dequantize` of the file's blocks bit for bit.
 //!
 //! A chunk is 32 consecutive weights of a row. Lane loads: 16 bytes of low nibbles, 0-16 bytes
@@ -11,8 +11,8 @@
 //! contracted into an FMA); the GEMV's `dot` factors the scales out of each half-chunk's sum.
 use core::marker::PhantomData;
 
-use crate::matmul::{Held, Weights, with_weights};
-use crate::util::{block, block_dim, f16_to_f32, fma, load_streaming, thread};
+use crate::matmul::{Align16, Held, Weights, with_weights};
+use crate::util::{block, block_dim, f16_to_f32, f16x2, fma, grid_dim, load_streaming, thread};
 
 /// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
 pub mod id {
@@ -379,6 +379,35 @@ pub unsafe extern "gpu-kernel" fn embed(
                 }
             }
             e += 8 * block_dim();
+        }
+    })
+}
+
+/// `out = f16(w)`: the `[rows, n_in]` matrix `w` of type `ty` (packed, as every weight matrix)
+/// dequantized and rounded to nearest f16, row-major: the `--weights f16` path's conversion at
+/// load, done where the weights already are. `n_in` a multiple of 8 (quantized rows are
+/// whole blocks of 32 or 256), `out` 16-byte aligned (checked by the host). Grid: any (blocks
+/// stride over the groups of 8 weights); block: any size; no shared memory.
+/// Twin: `orcd::quant::dequantize_f16` (the same weights, `load8`'s, and the same rounding).
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn dequantize_f16(
+    out: *mut u32,
+    w: *const u8,
+    ty: u32,
+    rows: u32,
+    n_in: u32,
+) {
+    let groups = (rows as usize) * (n_in / 8) as usize;
+    let stride = grid_dim() as usize * block_dim() as usize;
+    with_weights!(crate::matmul::family::ANY, ty, W => {
+        let w = W::new(w, rows, n_in);
+        let mut i = (block() * block_dim() + thread()) as usize;
+        while i < groups {
+            let (r, k) = (i / (n_in / 8) as usize, 8 * (i % (n_in / 8) as usize) as u32);
+            let v = unsafe { w.load8::<false>(r, k) };
+            let h = [0, 2, 4, 6].map(|j| f16x2(v[j], v[j + 1]));
+            unsafe { *(out.add(4 * i) as *mut Align16<[u32; 4]>) = Align16(h) };
+            i += stride;
         }
     })
 }

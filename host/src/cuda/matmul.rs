@@ -85,6 +85,11 @@ impl GpuMatrix {
         self.data.len()
     }
 
+    /// The bytes on the GPU, in the kernels' layout (`pack`'s for quantized types).
+    pub fn download(&self, dev: &Device) -> Result<Vec<u8>> {
+        dev.download(&self.data)
+    }
+
     /// The device address (16-byte aligned) with its stream guard.
     pub(super) fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
         self.data.device_ptr(stream)
@@ -106,7 +111,43 @@ impl Device {
     }
 
     /// The matrix `data` (as in `upload_matrix`) dequantized to f16 (the `--weights f16` path).
+    /// Quantized matrices are uploaded packed and converted on the GPU (`dequantize_f16`,
+    /// twin of `quant::dequantize_f16`): the load moves the file's bytes rather than twice as
+    /// many, and no CPU time goes to the conversion. Plain floats are converted on the CPU.
     pub fn upload_matrix_f16(&self, ty: GgmlType, data: &[u8], n_in: usize) -> Result<GpuMatrix> {
+        if ty.block_elems() > 1 {
+            // The f16 matrix first: the packed copy freed after it leaves a hole that the next
+            // matrix's packed copy reuses, not one between the f16 matrices.
+            let n = data.len() / ty.block_bytes() * ty.block_elems();
+            let mut out = self.zeros::<u8>(2 * n)?;
+            let packed = self.upload_matrix(ty, data, n_in)?;
+            let (rows, n_in32) = (u32_of(packed.rows, "f16 rows")?, u32_of(n_in, "f16 row")?);
+            // Quantized rows are whole blocks, so whole groups of 8.
+            let groups = u32_of(n / 8, "f16 weights")?;
+            let cfg = LaunchConfig {
+                grid_dim: (groups.div_ceil(BLOCK).max(1), 1, 1),
+                block_dim: (BLOCK, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            let stream = self.stream();
+            let (op, _o) = out.device_ptr_mut(stream);
+            let (wp, _w) = packed.ptr(stream);
+            let ty32 = ty as u32;
+            let mut l = stream.launch_builder(self.kernel("dequantize_f16"));
+            l.arg(&op).arg(&wp).arg(&ty32).arg(&rows).arg(&n_in32);
+            // SAFETY: parameters (u32*, const u8*, u32, u32, u32); `packed` is `rows` packed
+            // rows of `n_in` (a multiple of 32) of type `ty`, `out` holds 2·rows·n_in bytes
+            // from a fresh (256-byte aligned) allocation.
+            unsafe { l.launch(cfg) }?;
+            // `packed` is freed in stream order, after the kernel.
+            drop((_o, _w));
+            return Ok(GpuMatrix {
+                data: out,
+                ty: GgmlType::F16,
+                rows: packed.rows,
+                n_in,
+            });
+        }
         let mut w = vec![f16::ZERO; data.len() / ty.block_bytes() * ty.block_elems()];
         dequantize_f16(ty, data, &mut w)?;
         // SAFETY: an f16 is 2 bytes with no padding and any bit pattern is a valid u8.

@@ -3,9 +3,9 @@
 //!
 //! Weights are uploaded once: matrices in the file's own quantized blocks (read and dequantized
 //! in registers by the kernels, as exact as the CPU's dequantization) or, with
-//! `WeightFormat::F16`, dequantized to f16 at load; the embedding table in the file's type;
-//! norms and biases f32. The KV cache and every activation buffer are allocated at load, so
-//! nothing is allocated per token.
+//! `WeightFormat::F16`, dequantized to f16 on the GPU at load; the embedding table in the
+//! file's type; norms and biases f32. The KV cache and every activation buffer are allocated
+//! at load, so nothing is allocated per token.
 use std::cell::{Cell, RefCell};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -654,16 +654,20 @@ fn check_memory(
     max_ctx: usize,
     format: WeightFormat,
 ) -> Result<usize> {
+    // A tensor's bytes in the kernels' layout (`pack`), for the types that have one.
+    let packed = |t: &TensorInfo| {
+        let (n_in, rows) = (
+            t.shape[0] as usize,
+            (t.n_elems() / t.shape[0].max(1)) as usize,
+        );
+        crate::pack::layout(t.ty, rows, n_in).map(|l| l.bytes as u64)
+    };
     let weights: u64 = g
         .tensors()
         .iter()
         .map(|t| match (t.name.as_str(), t.ty, format) {
             ("token_embd.weight", _, _) | (_, GgmlType::F32, _) | (_, _, WeightFormat::Native) => {
-                let (n_in, rows) = (
-                    t.shape[0] as usize,
-                    (t.n_elems() / t.shape[0].max(1)) as usize,
-                );
-                crate::pack::layout(t.ty, rows, n_in).map_or(t.bytes, |l| l.bytes as u64)
+                packed(t).unwrap_or(t.bytes)
             }
             (_, _, WeightFormat::F16) => t.n_elems() * 2,
         })
@@ -679,6 +683,19 @@ fn check_memory(
         } else {
             0
         };
+    // f16: each quantized matrix goes up packed and is converted on the GPU, so the largest
+    // one's packed copy is there beside the f16 weights for a moment.
+    let transient = if format == WeightFormat::F16 {
+        g.tensors()
+            .iter()
+            .filter(|t| t.ty.block_elems() > 1)
+            .filter_map(packed)
+            .max()
+            .unwrap_or(0)
+    } else {
+        0
+    };
+    let weights = weights + transient;
     let cache = (2 * c.n_layers * max_ctx * c.kv_dim() * 4) as u64;
     let acts = (MAX_BATCH * (5 * c.hidden + 2 * c.kv_dim() + 2 * c.ffn + c.vocab) * 4
         + max_ctx * 4

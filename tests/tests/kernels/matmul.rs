@@ -543,6 +543,55 @@ fn embed_matches_dequantize_for_every_type() {
     }
 }
 
+/// `upload_matrix_f16` (quantized types: uploaded packed, converted on the GPU by
+/// `dequantize_f16`) holds exactly `quant::dequantize_f16`'s bits: for every type on random
+/// blocks, and for the first matrix of each quantized type in the real model.
+#[test]
+fn upload_matrix_f16_matches_dequantize_f16() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(41);
+    let check = |ty: GgmlType, bytes: &[u8], n_in: usize, what: &str| {
+        let mut want = vec![f16::ZERO; bytes.len() / ty.block_bytes() * ty.block_elems()];
+        quant::dequantize_f16(ty, bytes, &mut want).unwrap();
+        let m = dev.upload_matrix_f16(ty, bytes, n_in).unwrap();
+        assert_eq!(m.ty(), GgmlType::F16, "{what}");
+        let got = m.download(&dev).unwrap();
+        assert_eq!(got.len(), 2 * want.len(), "{what}: bytes");
+        for (i, (g, w)) in got.chunks_exact(2).zip(&want).enumerate() {
+            let g = u16::from_le_bytes([g[0], g[1]]);
+            assert_eq!(
+                g,
+                w.to_bits(),
+                "{what}: element {i}: {g:#06x}, the CPU's {w}"
+            );
+        }
+        println!(
+            "upload_matrix_f16 {what}: {} weights bit-identical",
+            want.len()
+        );
+    };
+    for ty in TYPES {
+        let n_in = if ty.block_elems() == 256 { 512 } else { 96 };
+        for n_rows in [1, 37] {
+            let bytes = random_table(ty, n_rows, n_in, &mut rng);
+            check(
+                ty,
+                &bytes,
+                n_in,
+                &format!("{} random {n_rows}x{n_in}", ty.name()),
+            );
+        }
+    }
+    let g = Gguf::open(&orcd_tests::model_path()).unwrap();
+    let mut seen = HashSet::new();
+    for t in g.tensors() {
+        if t.shape.len() == 2 && t.ty.block_elems() > 1 && seen.insert(t.ty) {
+            check(t.ty, g.tensor_data(t), t.shape[0] as usize, &t.name);
+        }
+    }
+    assert!(seen.len() >= 4, "the model's quantized types: {seen:?}");
+}
+
 #[test]
 fn embed_real_token_embd_on_reference_prompts() {
     let Some(dev) = gpu() else { return };
