@@ -1,7 +1,8 @@
 //! Quantized weight matrices in the GPU layout of `orcd::pack` ("packed": the file's bits,
 //! rearranged at load into 16-byte-aligned sections), decoded in registers, the
-//! token-embedding row gather and the conversion of a matrix to f16. CPU twin: `orcd::pack::dequantize_packed`, which equals
-//! `orcd::quant::dequantize` of the file's blocks bit for bit.
+//! token-embedding row gather and the conversion of a matrix to f16. CPU twin:
+//! `orcd::pack::dequantize_packed`, which equals `orcd::quant::dequantize` of the file's
+//! blocks bit for bit.
 //!
 //! A chunk is 32 consecutive weights of a row. Lane loads: 16 bytes of low nibbles, 0-16 bytes
 //! of high bits, a u16 of scales and (k-quants) a u32 of the super-block's scales. Quants
