@@ -398,13 +398,13 @@ pub unsafe extern "gpu-kernel" fn dequantize_f16(
     rows: u32,
     n_in: u32,
 ) {
-    let groups = (rows as usize) * (n_in / 8) as usize;
+    let per_row = (n_in / 8) as usize;
     let stride = grid_dim() as usize * block_dim() as usize;
     with_weights!(crate::matmul::family::ANY, ty, W => {
         let w = W::new(w, rows, n_in);
         let mut i = (block() * block_dim() + thread()) as usize;
-        while i < groups {
-            let (r, k) = (i / (n_in / 8) as usize, 8 * (i % (n_in / 8) as usize) as u32);
+        while i < rows as usize * per_row {
+            let (r, k) = (i / per_row, 8 * (i % per_row) as u32);
             let v = unsafe { w.load8::<false>(r, k) };
             let h = [0, 2, 4, 6].map(|j| f16x2(v[j], v[j + 1]));
             unsafe { *(out.add(4 * i) as *mut Align16<[u32; 4]>) = Align16(h) };

@@ -115,20 +115,15 @@ impl Device {
     /// twin of `quant::dequantize_f16`): the load moves the file's bytes rather than twice as
     /// many, and no CPU time goes to the conversion. Plain floats are converted on the CPU.
     pub fn upload_matrix_f16(&self, ty: GgmlType, data: &[u8], n_in: usize) -> Result<GpuMatrix> {
+        let n = data.len() / ty.block_bytes() * ty.block_elems();
         if ty.block_elems() > 1 {
             // The f16 matrix first: the packed copy freed after it leaves a hole that the next
             // matrix's packed copy reuses, not one between the f16 matrices.
-            let n = data.len() / ty.block_bytes() * ty.block_elems();
             let mut out = self.zeros::<u8>(2 * n)?;
             let packed = self.upload_matrix(ty, data, n_in)?;
             let (rows, n_in32) = (u32_of(packed.rows, "f16 rows")?, u32_of(n_in, "f16 row")?);
-            // Quantized rows are whole blocks, so whole groups of 8.
-            let groups = u32_of(n / 8, "f16 weights")?;
-            let cfg = LaunchConfig {
-                grid_dim: (groups.div_ceil(BLOCK).max(1), 1, 1),
-                block_dim: (BLOCK, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            // Quantized rows are whole blocks, so whole groups of 8: a thread per group.
+            let cfg = one_per_element(u32_of(n / 8, "f16 weights")?.max(1));
             let stream = self.stream();
             let (op, _o) = out.device_ptr_mut(stream);
             let (wp, _w) = packed.ptr(stream);
@@ -148,7 +143,7 @@ impl Device {
                 n_in,
             });
         }
-        let mut w = vec![f16::ZERO; data.len() / ty.block_bytes() * ty.block_elems()];
+        let mut w = vec![f16::ZERO; n];
         dequantize_f16(ty, data, &mut w)?;
         // SAFETY: an f16 is 2 bytes with no padding and any bit pattern is a valid u8.
         let bytes = unsafe { std::slice::from_raw_parts(w.as_ptr().cast::<u8>(), 2 * w.len()) };
