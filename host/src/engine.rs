@@ -180,14 +180,14 @@ impl Model {
     }
 
     /// Runs `tokens` (the end of `seq`, not yet in the cache) and picks the next token;
-    /// `more`: another will be asked for unless this one ends the text.
+    /// `more`: at most this many will be asked for after it (fewer if one ends the text).
     fn next_token(
         &mut self,
         tokens: &[u32],
         seq: &[u32],
         p: &SamplingParams,
         step: u64,
-        more: bool,
+        more: usize,
     ) -> Result<u32> {
         match self {
             Model::Cpu(m) => Ok(sample(&mut m.forward(tokens, false)?, seq, p, step)),
@@ -412,7 +412,7 @@ impl Generation<'_> {
         } else {
             &self.seq[self.seq.len() - 1..]
         };
-        let more = n_gen + 1 < self.opts.max_tokens;
+        let more = self.opts.max_tokens - n_gen - 1;
         let t = Instant::now();
         let id = self
             .model

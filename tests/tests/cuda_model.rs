@@ -35,24 +35,25 @@ fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
 }
 
 /// `n` tokens sampled from `prompt` one `next_token` call at a time, with `sampling(i)` for
-/// token `i` and `more` as given; before token `bad`, a call with an id outside the vocabulary
-/// must fail.
+/// token `i`, and `more` the tokens still to come (with `ahead`) or 0; before token `bad`, a
+/// call with an id outside the vocabulary must fail.
 fn sampled_run(
     m: &mut CudaModel,
     prompt: &[u32],
     n: usize,
-    more: bool,
+    ahead: bool,
     sampling: impl Fn(usize) -> SamplingParams,
     bad: Option<usize>,
 ) -> Vec<u32> {
     m.reset();
-    let mut out = vec![m.next_token(prompt, &sampling(0), 0, more).unwrap()];
+    let more = |i: usize| if ahead { n - i - 1 } else { 0 };
+    let mut out = vec![m.next_token(prompt, &sampling(0), 0, more(0)).unwrap()];
     while out.len() < n {
         let (i, p) = (out.len(), sampling(out.len()));
         if bad == Some(i) {
-            assert!(m.next_token(&[u32::MAX], &p, i as u64, more).is_err());
+            assert!(m.next_token(&[u32::MAX], &p, i as u64, more(i)).is_err());
         }
-        out.push(m.next_token(&out[i - 1..], &p, i as u64, more).unwrap());
+        out.push(m.next_token(&out[i - 1..], &p, i as u64, more(i)).unwrap());
     }
     out
 }
@@ -178,10 +179,15 @@ fn top2(row: &[f32]) -> (u32, u32, f32) {
 fn gpu_greedy(m: &mut CudaModel, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
     m.reset();
     let greedy = SamplingParams::greedy();
-    let mut out = vec![m.next_token(prompt, &greedy, 0, true).unwrap()];
+    let mut out = vec![m.next_token(prompt, &greedy, 0, n - 1).unwrap()];
     while out.len() < n && !eos.contains(out.last().unwrap()) {
         let t = m
-            .next_token(&out[out.len() - 1..], &greedy, out.len() as u64, true)
+            .next_token(
+                &out[out.len() - 1..],
+                &greedy,
+                out.len() as u64,
+                n - out.len() - 1,
+            )
             .unwrap();
         out.push(t);
     }
@@ -208,7 +214,7 @@ fn gpu_follows_cpu(
     while out.len() < n {
         let (c, second, margin) = top2(&cpu.forward(&feed, false).unwrap());
         let g = m
-            .next_token(&feed, &greedy, out.len() as u64, true)
+            .next_token(&feed, &greedy, out.len() as u64, n - out.len() - 1)
             .unwrap();
         let i = out.len();
         if margin < NEAR_TIE {

@@ -7,6 +7,7 @@
 //! file's type; norms and biases f32. The KV cache and every activation buffer are allocated
 //! at load, so nothing is allocated per token.
 use std::cell::{Cell, RefCell};
+use std::collections::VecDeque;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
@@ -23,6 +24,9 @@ use crate::{Error, Result};
 
 /// Most tokens one prefill step runs; longer prompts go in chunks of this many.
 const MAX_BATCH: usize = 512;
+/// Decode steps per launch of the CUDA graph: a launch boundary (the graph's end, the copy of
+/// the tokens to the host, the next graph's start) costs several kernel boundaries.
+const GRAPH_STEPS: usize = 8;
 
 /// How the weight matrices are kept on the GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -76,6 +80,8 @@ struct Buffers {
     tokens: CudaSlice<u32>,
     /// Position of the first token of the current step, read by RoPE, the cache and attention.
     pos: CudaSlice<u32>,
+    /// The tokens a launch picks: `GRAPH_STEPS` for each of the two `Slot`s, then the
+    /// prefill's.
     next: CudaSlice<u32>,
     /// The decode attention's partials and counts, shared by every layer.
     attn: AttentionScratch,
@@ -87,10 +93,30 @@ struct Buffers {
     cands: CudaSlice<u32>,
 }
 
-/// One decode step captured as a CUDA graph, with the sampling it was captured for.
+/// `steps` decode steps captured as a CUDA graph, with the sampling they were captured for,
+/// writing their tokens to `slot`'s part of `Buffers::next`.
 struct DecodeGraph {
     sampling: SamplingParams,
+    slot: usize,
+    steps: usize,
     graph: CudaGraph,
+}
+
+/// Where the tokens of a launch of decode steps are copied to (page-locked, so that the copy
+/// does not wait for work launched after it), and the event after the copy. Two, so that one
+/// launch runs while the host reads the other's tokens.
+struct Slot {
+    host: PinnedHostSlice<u32>,
+    copied: CudaEvent,
+}
+
+impl Slot {
+    fn new(dev: &Device, len: usize) -> Result<Slot> {
+        Ok(Slot {
+            host: dev.pinned(len)?,
+            copied: dev.event()?,
+        })
+    }
 }
 
 // SAFETY: a CUDA graph may be launched from any thread (cudarc binds the context first); the
@@ -111,18 +137,21 @@ pub struct CudaModel {
     max_ctx: usize,
     /// Free device memory before the first allocation, to tell how much the model took.
     free_before: usize,
-    /// The decode step as a CUDA graph, captured at the first decode step.
-    graph: Option<DecodeGraph>,
-    /// The device holds `tokens[pos]`, `pos` and `step` for the next decode step (one step
-    /// further while `ahead` is set): the last token was sampled there and is this one.
+    /// The decode steps as CUDA graphs, captured on first use.
+    graphs: Vec<DecodeGraph>,
+    /// The last token handed out: the device sampled it at `tokens[pos]` (and ran on from it
+    /// while `queued` or `launched` hold steps).
     device_next: Option<u32>,
-    /// The sampling of the decode step launched after the last token (on `tokens[pos]`), if
-    /// one was: the next call that continues with that token and sampling takes its result.
+    /// The sampling of the steps run ahead: the next call that continues with the last token
+    /// and this sampling takes their tokens.
     ahead: Option<SamplingParams>,
-    /// Where the chosen token is copied to, page-locked so that the copy does not wait for
-    /// the step launched after it, and the event after the copy.
-    next_host: PinnedHostSlice<u32>,
-    next_copied: CudaEvent,
+    /// Tokens the device picked after the last one handed out, in order, not yet handed out.
+    queued: VecDeque<u32>,
+    /// Launches of decode steps after those, oldest first: (slot, steps).
+    launched: VecDeque<(usize, usize)>,
+    slots: [Slot; 2],
+    /// The prefill's token, copied as a slot's are.
+    first: Slot,
 }
 
 impl CudaModel {
@@ -206,7 +235,7 @@ impl CudaModel {
             logits: dev.zeros(n * cfg.vocab)?,
             tokens: dev.zeros(max_ctx)?,
             pos: dev.zeros(1)?,
-            next: dev.zeros(1)?,
+            next: dev.zeros(2 * GRAPH_STEPS + 1)?,
             attn: dev.attention_scratch(cfg.n_heads, cfg.head_dim)?,
             step: dev.zeros(1)?,
             best: dev.logits_scratch()?,
@@ -225,10 +254,12 @@ impl CudaModel {
             pos: 0,
             max_ctx,
             free_before,
-            graph: None,
+            graphs: Vec::new(),
             ahead: None,
-            next_host: dev.pinned(1)?,
-            next_copied: dev.event()?,
+            queued: VecDeque::new(),
+            launched: VecDeque::new(),
+            slots: [Slot::new(&dev, GRAPH_STEPS)?, Slot::new(&dev, GRAPH_STEPS)?],
+            first: Slot::new(&dev, 1)?,
             device_next: None,
             cfg,
             dev,
@@ -274,16 +305,23 @@ impl CudaModel {
     /// Empties the KV cache, for a new sequence.
     pub fn reset(&mut self) {
         self.pos = 0;
+        self.drop_ahead();
+    }
+
+    /// Forgets the last token and the steps run ahead of it (they may still run, harmlessly:
+    /// whatever comes next sets the device's position and draw afresh).
+    fn drop_ahead(&mut self) {
         self.device_next = None;
         self.ahead = None;
+        self.queued.clear();
+        self.launched.clear();
     }
 
     /// Runs `tokens` after the cache's end and returns the logits of the last token, or of every
     /// token (`[tokens.len(), vocab]`) when `all_logits`.
     pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        // The device's next token (and a step run ahead on it) no longer follow the cache.
-        self.device_next = None;
-        self.ahead = None;
+        // The device's next token (and the steps run ahead on it) no longer follow the cache.
+        self.drop_ahead();
         let vocab = self.cfg.vocab;
         let mut logits = Vec::with_capacity(if all_logits {
             tokens.len() * vocab
@@ -302,15 +340,16 @@ impl CudaModel {
 
     /// Runs `tokens` and picks the next token on the GPU, so that only its id crosses to the
     /// host. `step` numbers the draws of the sampler. One token after a token the GPU picked
-    /// is a decode step: the captured CUDA graph, replayed. Anything else is a prefill. With
-    /// `more` (another token will be asked for, unless this one ends the text), the decode
-    /// step after this token is launched before the host reads it.
+    /// is a decode step: a CUDA graph of up to `GRAPH_STEPS` steps, replayed. Anything else is
+    /// a prefill. `more`: at most this many tokens will be asked for after this one (unless
+    /// one ends the text); that many decode steps may run ahead, launched before the host
+    /// reads this token, in up to two launches (one runs while the host reads the other's).
     pub fn next_token(
         &mut self,
         tokens: &[u32],
         p: &SamplingParams,
         step: u64,
-        more: bool,
+        more: usize,
     ) -> Result<u32> {
         if tokens.is_empty() {
             return Err(Error::Invalid("next_token: no tokens to run".into()));
@@ -325,83 +364,143 @@ impl CudaModel {
         let last = self.device_next.take();
         let continues = tokens.len() == 1 && last == Some(tokens[0]);
         let ahead = self.ahead.take();
-        if continues && ahead.as_ref() == Some(p) {
-            // Launched behind the last token: it is running, or done.
-            self.pos += 1;
-        } else if continues && self.pos < self.max_ctx {
-            if ahead.is_some() {
-                // The step run ahead sampled otherwise: back to this step's position and draw
-                // (it wrote this position's keys and values as this step will).
-                let (dev, b) = (&self.dev, &mut self.buf);
-                dev.copy_to(&mut b.pos, &[self.pos as u32])?;
-                dev.copy_to(&mut b.step, &[step])?;
+        if !(continues && ahead.as_ref() == Some(p)) {
+            let ran_ahead = ahead.is_some();
+            self.queued.clear();
+            self.launched.clear();
+            if continues && self.pos < self.max_ctx {
+                if ran_ahead {
+                    // The steps run ahead sampled otherwise: back to this step's position and
+                    // draw (they wrote this position's keys and values as this step will).
+                    let (dev, b) = (&self.dev, &mut self.buf);
+                    dev.copy_to(&mut b.pos, &[self.pos as u32])?;
+                    dev.copy_to(&mut b.step, &[step])?;
+                }
+                self.launch_steps(p, more.saturating_add(1))?;
+            } else {
+                return self.prefill(tokens, p, step, more);
             }
-            self.decode(p)?;
-            self.pos += 1;
-        } else {
-            for chunk in tokens.chunks(MAX_BATCH) {
-                self.forward_chunk(chunk, false)?;
-            }
-            // The sampler reads the position of the last token run and the draw index.
-            let (dev, b) = (&self.dev, &mut self.buf);
-            dev.copy_to(&mut b.pos, &[self.pos as u32 - 1])?;
-            dev.copy_to(&mut b.step, &[step])?;
-            let mut logits = b.logits.slice_mut(..self.cfg.vocab);
-            dev.sample_dev(
-                &mut b.next,
-                &mut logits,
-                &mut b.tokens,
-                &mut b.pos,
-                &mut b.step,
-                p,
-                &mut b.cands,
-            )?;
         }
-        // The token, copied before the next decode step is launched behind it: the GPU runs
-        // that step while the host handles this token (a step nobody asks for is dropped).
-        // The host waits on `next_copied`, recorded after the copy: with cudarc's event
-        // tracking off, the pinned buffer's own event is never recorded.
-        let stream = self.dev.stream();
-        stream.memcpy_dtoh(&self.buf.next, &mut self.next_host)?;
-        self.next_copied.record(stream)?;
-        if more && self.pos < self.max_ctx {
-            self.decode(p)?;
+        // A decode step's token: the next of those read, or of the oldest launch.
+        if self.queued.is_empty() {
+            let (slot, steps) = self
+                .launched
+                .pop_front()
+                .ok_or_else(|| Error::Cuda("next_token: no decode steps launched".into()))?;
+            let s = &self.slots[slot];
+            s.copied.synchronize()?;
+            self.queued.extend(&s.host.as_slice()?[..steps]);
+        }
+        let next = self
+            .queued
+            .pop_front()
+            .ok_or_else(|| Error::Cuda("next_token: a launch of no steps".into()))?;
+        self.pos += 1;
+        while self.launch_steps(p, more)? {}
+        if !self.queued.is_empty() || !self.launched.is_empty() {
             self.ahead = Some(p.clone());
         }
-        self.next_copied.synchronize()?;
-        let next = self.next_host.as_slice()?[0];
         self.device_next = Some(next);
         Ok(next)
     }
 
-    /// One decode step through the CUDA graph, captured on first use and again when the
-    /// sampling changes.
-    fn decode(&mut self, p: &SamplingParams) -> Result<()> {
-        if self.graph.as_ref().is_none_or(|g| g.sampling != *p) {
-            self.graph = None;
-            let stream = self.dev.stream().clone();
-            stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-            let launched = self.decode_step(p);
-            let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
-            launched?;
-            let graph = graph
-                .ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
-            self.graph = Some(DecodeGraph {
-                sampling: p.clone(),
-                graph,
-            });
+    /// `next_token` for tokens that do not continue the device's: runs them (a prefill) and
+    /// samples the next on the GPU; with `more`, launches decode steps after it before the
+    /// host reads it.
+    fn prefill(
+        &mut self,
+        tokens: &[u32],
+        p: &SamplingParams,
+        step: u64,
+        more: usize,
+    ) -> Result<u32> {
+        for chunk in tokens.chunks(MAX_BATCH) {
+            self.forward_chunk(chunk, false)?;
         }
-        Ok(self
-            .graph
-            .as_ref()
-            .expect("captured above")
-            .graph
-            .launch()?)
+        // The sampler reads the position of the last token run and the draw index.
+        let (dev, b) = (&self.dev, &mut self.buf);
+        dev.copy_to(&mut b.pos, &[self.pos as u32 - 1])?;
+        dev.copy_to(&mut b.step, &[step])?;
+        let mut logits = b.logits.slice_mut(..self.cfg.vocab);
+        let mut out = b.next.slice_mut(2 * GRAPH_STEPS..);
+        dev.sample_dev(
+            &mut out,
+            &mut logits,
+            &mut b.tokens,
+            &mut b.pos,
+            &mut b.step,
+            p,
+            &mut b.cands,
+        )?;
+        let stream = self.dev.stream();
+        stream.memcpy_dtoh(&out, &mut self.first.host)?;
+        self.first.copied.record(stream)?;
+        while self.launch_steps(p, more)? {
+            self.ahead = Some(p.clone());
+        }
+        self.first.copied.synchronize()?;
+        let next = self.first.host.as_slice()?[0];
+        self.device_next = Some(next);
+        Ok(next)
+    }
+
+    /// Launches up to `GRAPH_STEPS` decode steps after those queued and launched, as many as
+    /// the cache holds and make at most `wanted` steps ahead of the host in all, through a
+    /// CUDA graph (captured on first use for the slot, the number of steps and the sampling),
+    /// and the copy of their tokens into a free slot. False when it launched nothing: no
+    /// step wanted or room for one, or both slots taken.
+    fn launch_steps(&mut self, p: &SamplingParams, wanted: usize) -> Result<bool> {
+        let launched: usize = self.launched.iter().map(|&(_, n)| n).sum();
+        let ahead = self.queued.len() + launched;
+        let Some(slot) = (0..2).find(|s| self.launched.iter().all(|l| l.0 != *s)) else {
+            return Ok(false);
+        };
+        let room = self.max_ctx.saturating_sub(self.pos + ahead);
+        let steps = GRAPH_STEPS.min(room).min(wanted.saturating_sub(ahead));
+        if steps == 0 {
+            return Ok(false);
+        }
+        // A graph captured for other sampling is stale.
+        self.graphs.retain(|g| g.sampling == *p);
+        let found = self
+            .graphs
+            .iter()
+            .position(|g| g.slot == slot && g.steps == steps);
+        let i = match found {
+            Some(i) => i,
+            None => {
+                let stream = self.dev.stream().clone();
+                stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+                let launched =
+                    (0..steps).try_for_each(|i| self.decode_step(p, slot * GRAPH_STEPS + i));
+                let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+                launched?;
+                let graph = graph.ok_or_else(|| {
+                    Error::Cuda("capturing the decode steps gave no graph".into())
+                })?;
+                self.graphs.push(DecodeGraph {
+                    sampling: p.clone(),
+                    slot,
+                    steps,
+                    graph,
+                });
+                self.graphs.len() - 1
+            }
+        };
+        self.graphs[i].graph.launch()?;
+        let stream = self.dev.stream();
+        let first = slot * GRAPH_STEPS;
+        let s = &mut self.slots[slot];
+        stream.memcpy_dtoh(&self.buf.next.slice(first..first + steps), &mut s.host)?;
+        s.copied.record(stream)?;
+        self.launched.push_back((slot, steps));
+        Ok(true)
     }
 
     /// The launches of one decode step, all reading the position and the token from the
     /// device: the twin of the CPU forward pass for one token, with its steps fused.
-    fn decode_step(&mut self, p: &SamplingParams) -> Result<()> {
+    /// `out` indexes `Buffers::next`, where the step's token goes.
+    fn decode_step(&mut self, p: &SamplingParams, out: usize) -> Result<()> {
         let c = &self.cfg;
         let (hidden, eps) = (c.hidden, c.rms_eps);
         let (dev, b) = (&self.dev, &mut self.buf);
@@ -458,14 +557,15 @@ impl CudaModel {
         // greedy takes the projection's fused arg-max, sampling reads the logits.
         let mut logits = b.logits.slice_mut(..c.vocab);
         let (out_norm, output) = (&self.output_norm, &self.output);
+        let mut next = b.next.slice_mut(out..out + 1);
         if p.temperature == 0.0 && p.repeat_penalty == 1.0 {
-            let best = Some((&mut b.next as &mut dyn DevicePtrMut<u32>, &mut b.best));
+            let best = Some((&mut next as &mut dyn DevicePtrMut<u32>, &mut b.best));
             dev.logits(&mut logits, &x, out_norm, eps, output, best)?;
-            dev.advance(&mut b.next, &mut b.tokens, &mut b.pos, &mut b.step)
+            dev.advance(&mut next, &mut b.tokens, &mut b.pos, &mut b.step)
         } else {
             dev.logits(&mut logits, &x, out_norm, eps, output, None)?;
             dev.sample_dev(
-                &mut b.next,
+                &mut next,
                 &mut logits,
                 &mut b.tokens,
                 &mut b.pos,
