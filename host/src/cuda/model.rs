@@ -405,7 +405,7 @@ impl CudaModel {
     }
 
     /// `next_token` for tokens that do not continue the device's: runs them (a prefill) and
-    /// samples the next on the GPU; with `more`, launches decode steps after it before the
+    /// samples the next on the GPU; launches up to `more` decode steps after it before the
     /// host reads it.
     fn prefill(
         &mut self,
