@@ -366,8 +366,7 @@ impl CudaModel {
         let ahead = self.ahead.take();
         if !(continues && ahead.as_ref() == Some(p)) {
             let ran_ahead = ahead.is_some();
-            self.queued.clear();
-            self.launched.clear();
+            self.drop_ahead();
             if continues && self.pos < self.max_ctx {
                 if ran_ahead {
                     // The steps run ahead sampled otherwise: back to this step's position and
