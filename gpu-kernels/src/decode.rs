@@ -29,6 +29,7 @@ use core::intrinsics::sqrtf32;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
+use crate::sampling::end_step;
 use crate::util::{
     better, block, block_dim, block_sum, count_last, exp, grid_dim, load_early, prefetch_l2,
     shared, sync_threads, thread,
@@ -299,7 +300,10 @@ unsafe fn gemv_residual_family<const F: u32>(
 /// thread keeps the best of its rows, the block merges them in shared memory and then into
 /// `scratch[0]` by one 64-bit atomic max on a key in the same order (`best_key`), and the last
 /// block to finish (by the count in `scratch[1]`) writes `best[0]` and zeroes both words for
-/// the next launch. `scratch` = 2 u64, zero before the first launch.
+/// the next launch. `scratch` = 2 u64, zero before the first launch. With `tokens` non-null
+/// too, that block also ends the greedy decode step, as `sample` ends a sampled one
+/// (`sampling::end_step`, an all-NaN arg-max taken as token 0, as the CPU sampler does):
+/// no kernel of its own between this one and the next step's.
 /// Grid: any number of blocks (they stride over the units); block: a multiple of `32·split`
 /// threads (at most 32 warps); shared: as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
@@ -316,6 +320,10 @@ unsafe fn logits_family<const F: u32>(
     split: u32,
     best: *mut u32,
     scratch: *mut u64,
+    tokens: *mut u32,
+    n_tokens: u32,
+    pos: *mut u32,
+    step: *mut u64,
 ) {
     // This thread's best (value, index), kept by the finishers.
     let best_here = Cell::new((f32::NEG_INFINITY, u32::MAX));
@@ -343,7 +351,7 @@ unsafe fn logits_family<const F: u32>(
     });
     if !best.is_null() {
         let (bv, bi) = best_here.get();
-        grid_argmax(bv, bi, best, scratch);
+        grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
     }
 }
 
@@ -359,10 +367,17 @@ fn best_key(v: f32, i: u32) -> u64 {
     (ord as u64) << 32 | !i as u64
 }
 
-/// `logits`' arg-max over the grid from each thread's best `(v, i)` (`i == u32::MAX`: none).
+/// `logits`' arg-max over the grid from each thread's best `(v, i)` (`i == u32::MAX`: none),
+/// and the end of the step (`end_step`'s arguments after the token) unless `tokens` is null.
 /// Every thread of every block must call it; shared: 8 bytes.
 #[inline(always)]
-fn grid_argmax(v: f32, i: u32, best: *mut u32, scratch: *mut u64) {
+fn grid_argmax(
+    v: f32,
+    i: u32,
+    best: *mut u32,
+    scratch: *mut u64,
+    (tokens, n_tokens, pos, step): (*mut u32, u32, *mut u32, *mut u64),
+) {
     // The meetings are over (their last barrier passed): the shared memory is free.
     let slot = shared::<u64>();
     if thread() == 0 {
@@ -384,7 +399,13 @@ fn grid_argmax(v: f32, i: u32, best: *mut u32, scratch: *mut u64) {
     // The count releases the max; the last block's acquires every block's.
     if unsafe { count_last(scratch.wrapping_add(1) as *mut u32, grid_dim()) } {
         let k = key.swap(0, Relaxed);
-        unsafe { *best = if k == 0 { u32::MAX } else { !(k as u32) } };
+        let token = if k == 0 { u32::MAX } else { !(k as u32) };
+        if tokens.is_null() {
+            unsafe { *best = token };
+        } else {
+            let token = if token == u32::MAX { 0 } else { token };
+            unsafe { end_step(token, best, tokens, n_tokens, pos, step) };
+        }
     }
 }
 
@@ -426,5 +447,6 @@ family_kernels!(gemv_residual_family(
 
 family_kernels!(logits_family(
     logits: *mut f32, x: *const f32, norm: *const f32, eps: f32, w: *const u8, ty: u32,
-    n_in: u32, n_out: u32, split: u32, best: *mut u32, scratch: *mut u64,
+    n_in: u32, n_out: u32, split: u32, best: *mut u32, scratch: *mut u64, tokens: *mut u32,
+    n_tokens: u32, pos: *mut u32, step: *mut u64,
 ) => logits_packed, logits_f32, logits_f16, logits_bf16);

@@ -13,7 +13,10 @@
 use core::marker::PhantomData;
 
 use crate::matmul::{Align16, Held, Weights, with_weights};
-use crate::util::{block, block_dim, f16_to_f32, f16x2, fma, grid_dim, load_streaming, thread};
+use crate::util::{
+    allow_next_grid, block, block_dim, f16_to_f32, f16x2, fma, grid_dim, load_streaming, thread,
+    wait_prior_grids,
+};
 
 /// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
 pub mod id {
@@ -339,7 +342,9 @@ impl<P: Packing> Weights for Packed<P> {
 /// decode step reads its token at the position in device memory, so a captured CUDA graph
 /// replays for any position. A token id `>= n_rows` gives a row of NaN; an index
 /// `first + t >= n_ids` (past `tokens`) traps. `table` 16-byte aligned (checked by the host).
-/// Grid: one block per token; block: any size; no shared memory.
+/// It may overlap the kernel before it, which may write `pos` and `tokens` (a decode step's
+/// last): nothing is read before the wait. Grid: one block per token; block: any size; no
+/// shared memory.
 #[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
 pub unsafe extern "gpu-kernel" fn embed(
@@ -352,6 +357,8 @@ pub unsafe extern "gpu-kernel" fn embed(
     n_rows: u32,
     hidden: u32,
 ) {
+    wait_prior_grids();
+    allow_next_grid();
     let first = if pos.is_null() { 0 } else { unsafe { *pos } };
     let at = first as u64 + block() as u64;
     if at >= n_ids as u64 {

@@ -184,14 +184,7 @@ pub unsafe extern "gpu-kernel" fn sample_dev(
     );
     // Every path of `choose` passes a barrier, so all threads have read pos and step.
     if thread() == 0 {
-        unsafe {
-            *out = token;
-            if p0 + 1 < n_tokens {
-                *tokens.add(p0 as usize + 1) = token;
-            }
-            *pos = p0 + 1;
-            *step = draw + 1;
-        }
+        unsafe { end_step(token, out, tokens, n_tokens, pos, step) };
     }
 }
 
@@ -637,13 +630,13 @@ fn uniform(seed: u64, step: u64) -> f32 {
     (z >> 40) as f32 / 16_777_216.0
 }
 
-/// The end of a greedy decode step whose token the output projection's fused arg-max already
-/// put in `out[0]` (no pass over the logits here): as `sample_dev` ends, the token goes to
-/// `tokens[pos[0] + 1]` (not past `n_tokens`), then `pos[0]` and `step[0]` advance by one.
-/// An arg-max over all-NaN logits (`u32::MAX`) becomes token 0, as the CPU sampler picks.
-/// Grid: one block; block: one thread.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn advance(
+/// The end of a decode step that chose `token`: it goes to `out[0]` and to `tokens[pos[0] + 1]`
+/// (the next step's input, if the buffer holds it), then `pos[0]` and `step[0]` advance by
+/// one. `sample` and the output projection's fused arg-max (decode.rs) end with it, on one
+/// thread, after every read of `pos` and `step` in their kernel.
+#[inline(always)]
+pub(crate) unsafe fn end_step(
+    token: u32,
     out: *mut u32,
     tokens: *mut u32,
     n_tokens: u32,
@@ -652,7 +645,6 @@ pub unsafe extern "gpu-kernel" fn advance(
 ) {
     unsafe {
         let p0 = *pos;
-        let token = if *out == u32::MAX { 0 } else { *out };
         *out = token;
         if p0 + 1 < n_tokens {
             *tokens.add(p0 as usize + 1) = token;

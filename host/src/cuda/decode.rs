@@ -4,7 +4,7 @@
 //! allocates, copies from the host or synchronises. Every weight matrix is a [`GpuMatrix`], read
 //! in its own format (packed quantized chunks, or plain floats).
 use cudarc::driver::sys::CUdevice_attribute;
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 
 use super::matmul::{GpuMatrix, gemv_split};
 use super::{Device, allow_shared, check, u32_of};
@@ -90,6 +90,40 @@ pub(super) struct Geometry {
     blocks: u32,
     /// Shared memory per block (`gemv_shared`).
     shared: u32,
+}
+
+/// Where `logits` puts its fused arg-max, its scratch, and the decode step it may end.
+pub type Argmax<'a> = (
+    &'a mut dyn DevicePtrMut<u32>,
+    &'a mut CudaSlice<u64>,
+    Option<StepEnd<'a>>,
+);
+
+/// The device words that a decode step advances at its end (`logits` with its arg-max, as
+/// `sample_dev` does): the tokens so far, the position and the sampler's draw count.
+pub struct StepEnd<'a> {
+    pub tokens: &'a mut dyn DevicePtrMut<u32>,
+    pub pos: &'a mut dyn DevicePtrMut<u32>,
+    pub step: &'a mut dyn DevicePtrMut<u64>,
+}
+
+impl<'a> StepEnd<'a> {
+    fn valid(&self) -> bool {
+        self.pos.len() >= 1 && self.step.len() >= 1 && self.tokens.len() <= u32::MAX as usize
+    }
+
+    /// The kernel's (tokens, n_tokens, pos, step), and what keeps them until the launch.
+    #[allow(clippy::type_complexity)]
+    fn ptrs<'s>(self, s: &'s CudaStream) -> ((u64, u32, u64, u64), [SyncOnDrop<'s>; 3])
+    where
+        'a: 's,
+    {
+        let n = self.tokens.len() as u32;
+        let (t, tg) = self.tokens.device_ptr_mut(s);
+        let (p, pg) = self.pos.device_ptr_mut(s);
+        let (st, sg) = self.step.device_ptr_mut(s);
+        ((t, n, p, st), [tg, pg, sg])
+    }
 }
 
 impl Device {
@@ -407,10 +441,13 @@ impl Device {
     }
 
     /// `logits[r] = output[r]·xn` with `xn = rms_norm(x)·norm`, for the `logits.len()` rows of
-    /// `w`. With `best = Some((out, scratch))`, also `out[0]` = the arg-max of these logits
-    /// (the first index on ties, NaN never; `u32::MAX` if all are NaN), found in the same pass
-    /// without reading the logits again; `scratch` from `logits_scratch`, used by one launch
-    /// at a time. Twin: `cpu::rms_norm`, `cpu::matmul`, `cpu::argmax`.
+    /// `w`. With `best = Some((out, scratch, end))`, also `out[0]` = the arg-max of these
+    /// logits (the first index on ties, NaN never; `u32::MAX` if all are NaN), found in the
+    /// same pass without reading the logits again; `scratch` from `logits_scratch`, used by one
+    /// launch at a time. With `end`, the arg-max also ends a greedy decode step as `sample_dev`
+    /// ends a sampled one: the token (0 for all-NaN logits, as the CPU sampler picks) goes to
+    /// `out[0]` and `tokens[pos[0] + 1]` (if the buffer holds it), and `pos[0]` and `step[0]`
+    /// advance by one. Twin: `cpu::rms_norm`, `cpu::matmul`, `cpu::argmax`.
     #[allow(clippy::too_many_arguments)]
     pub fn logits(
         &self,
@@ -419,7 +456,7 @@ impl Device {
         norm: &impl DevicePtr<f32>,
         eps: f32,
         w: &GpuMatrix,
-        best: Option<(&mut dyn DevicePtrMut<u32>, &mut CudaSlice<u64>)>,
+        best: Option<Argmax<'_>>,
     ) -> Result<()> {
         const WHAT: &str = "logits";
         let (n_in, n_out) = (x.len(), logits.len());
@@ -428,10 +465,10 @@ impl Device {
         check_matrix(w, n_out, n_in, WHAT)?;
         check(
             n_out > 0
-                && best
-                    .as_ref()
-                    .is_none_or(|(o, s)| o.len() >= 1 && s.len() >= 2),
-            "logits: rows, best and scratch",
+                && best.as_ref().is_none_or(|(o, s, e)| {
+                    o.len() >= 1 && s.len() >= 2 && e.as_ref().is_none_or(StepEnd::valid)
+                }),
+            "logits: rows, best, scratch and step",
         )?;
         let n_out32 = u32_of(n_out, WHAT)?;
         // Units are pairs of rows.
@@ -444,18 +481,25 @@ impl Device {
         let (np, _n) = norm.device_ptr(s);
         let (wp, _w) = w.ptr(s);
         check_aligned(&[xp, np], WHAT)?;
-        let best = best.map(|(o, sc)| (o.device_ptr_mut(s), sc.device_ptr_mut(s)));
-        // Null pointers: no arg-max.
+        let (best, end) = best.map_or((None, None), |(o, sc, e)| {
+            (Some((o.device_ptr_mut(s), sc.device_ptr_mut(s))), e)
+        });
+        let end = end.map(|e| e.ptrs(s));
+        // Null pointers: no arg-max, no step's end.
         let (op, sp) = best.as_ref().map_or((0, 0), |((o, _), (sc, _))| (*o, *sc));
+        let (tp, nt, pp, stp) = end.as_ref().map_or((0, 0, 0, 0), |(p, _)| *p);
         let (ty, n_in) = (w.ty() as u32, n_in as u32);
         let mut l = self.launch(&name);
         l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
         l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
+        l.arg(&tp).arg(&nt).arg(&pp).arg(&stp);
         // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,
-        // u32* or null, u64* or null). w is n_out GpuMatrix rows of n_in (whole chunks, one
-        // per lane of `split` warps), x and norm 16-byte aligned; logits holds n_out; out
-        // holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); blocks are whole
-        // units of `split` warps, shared as `gemv_shared`.
+        // u32* or null, u64* or null, u32* or null, u32, u32* or null, u64* or null). w is
+        // n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split` warps), x and
+        // norm 16-byte aligned; logits holds n_out; out holds 1 u32 and scratch 2 u64 (zero,
+        // as every launch leaves it); the step's end (with the arg-max only) writes tokens
+        // below n_tokens, one pos and one step; blocks are whole units of `split` warps,
+        // shared as `gemv_shared`.
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
         unsafe { l.run(cfg, true) }?;
         Ok(())

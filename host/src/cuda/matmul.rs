@@ -307,7 +307,7 @@ impl Device {
         let (op, _o) = out.device_ptr_mut(stream);
         let (tp, _t) = table.ptr(stream);
         let (kp, _k) = tokens.device_ptr(stream);
-        let mut l = stream.launch_builder(self.kernel("embed"));
+        let mut l = self.launch("embed");
         l.arg(&op)
             .arg(&tp)
             .arg(&ty)
@@ -320,8 +320,8 @@ impl Device {
         // u32); the kernel reads n_tokens ids from tokens[pos[0]] (or tokens[0]) on, below
         // n_ids or it traps, rows below n_rows of the table (a GpuMatrix: its layout, 16-byte
         // aligned) and writes n_tokens·hidden of out; `pos` is null or a live buffer the
-        // caller holds.
-        unsafe { l.launch(cfg) }?;
+        // caller holds. It may overlap the kernel before: it reads nothing before it waits.
+        unsafe { l.run(cfg, true) }?;
         Ok(())
     }
 

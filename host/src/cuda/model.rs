@@ -14,7 +14,7 @@ use cudarc::driver::{
     CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PinnedHostSlice,
 };
 
-use super::{AttentionScratch, Device, GpuMatrix};
+use super::{AttentionScratch, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::models::Progress;
@@ -553,14 +553,23 @@ impl CudaModel {
         }
 
         // Final norm and output projection, then the next token, written to tokens[pos + 1]:
-        // greedy takes the projection's fused arg-max, sampling reads the logits.
+        // greedy takes the projection's fused arg-max (whose last block ends the step),
+        // sampling reads the logits.
         let mut logits = b.logits.slice_mut(..c.vocab);
         let (out_norm, output) = (&self.output_norm, &self.output);
         let mut next = b.next.slice_mut(out..out + 1);
         if p.temperature == 0.0 && p.repeat_penalty == 1.0 {
-            let best = Some((&mut next as &mut dyn DevicePtrMut<u32>, &mut b.best));
-            dev.logits(&mut logits, &x, out_norm, eps, output, best)?;
-            dev.advance(&mut next, &mut b.tokens, &mut b.pos, &mut b.step)
+            let end = StepEnd {
+                tokens: &mut b.tokens,
+                pos: &mut b.pos,
+                step: &mut b.step,
+            };
+            let best = Some((
+                &mut next as &mut dyn DevicePtrMut<u32>,
+                &mut b.best,
+                Some(end),
+            ));
+            dev.logits(&mut logits, &x, out_norm, eps, output, best)
         } else {
             dev.logits(&mut logits, &x, out_norm, eps, output, None)?;
             dev.sample_dev(

@@ -213,41 +213,6 @@ impl Device {
         Ok((v, i, slots as u32, k))
     }
 
-    /// Ends a greedy decode step whose token `logits(.., best)` left in `out[0]`: writes it to
-    /// `tokens[pos[0] + 1]` and advances `pos` and `step`, as `sample_dev` does. Graph-safe.
-    pub fn advance(
-        &self,
-        out: &mut impl DevicePtrMut<u32>,
-        tokens: &mut impl DevicePtrMut<u32>,
-        pos: &mut impl DevicePtrMut<u32>,
-        step: &mut impl DevicePtrMut<u64>,
-    ) -> Result<()> {
-        check(
-            out.len() >= 1
-                && pos.len() >= 1
-                && step.len() >= 1
-                && tokens.len() <= u32::MAX as usize,
-            "advance: shapes",
-        )?;
-        let n_tokens = tokens.len() as u32;
-        let stream = self.stream();
-        let (o, _o) = out.device_ptr_mut(stream);
-        let (tp, _t) = tokens.device_ptr_mut(stream);
-        let (pp, _p) = pos.device_ptr_mut(stream);
-        let (sp, _s) = step.device_ptr_mut(stream);
-        let mut l = stream.launch_builder(self.kernel("advance"));
-        l.arg(&o).arg(&tp).arg(&n_tokens).arg(&pp).arg(&sp);
-        let cfg = LaunchConfig {
-            grid_dim: (1, 1, 1),
-            block_dim: (1, 1, 1),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: parameters (u32*, u32*, u32, u32*, u64*); one element of out, pos and step,
-        // and tokens written only below its length, checked above.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
-    }
-
     /// The function and launch shape of the one-block sampling kernel `name`: a power of two
     /// up to 1024 threads, with the candidates in shared memory.
     fn sample_launch(&self, name: &str) -> Result<(&CudaFunction, LaunchConfig)> {

@@ -10,10 +10,10 @@
 //! finished products instead of to `x`: a few float roundings of each term. The error of an
 //! output is therefore measured against the sum of its terms' magnitudes, `sum|w·xn|` (plus
 //! |bias| and what is added to it), and must stay below `TOL`, as in matmul.rs.
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::f16;
 use orcd::cpu;
-use orcd::cuda::{Device, GpuMatrix};
+use orcd::cuda::{Device, GpuMatrix, StepEnd};
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
 
@@ -251,7 +251,7 @@ fn check_logits(dev: &Device, norm: &[f32], w: &Mat, x: &[f32], what: &str) -> f
             &nd,
             EPS,
             w.weight(),
-            Some((&mut best, &mut scratch)),
+            Some((&mut best, &mut scratch, None)),
         )
         .unwrap();
         picks.push(dev.download(&best).unwrap()[0]);
@@ -445,7 +445,8 @@ fn logits_matches_cpu() {
 }
 
 /// The arg-max's rules on logits chosen through f32 weights: with `x = e_0` and a norm of
-/// ones, `logits[r] = w[r, 0]·sqrt(32)`, so each row's first weight sets its logit.
+/// ones, `logits[r] = w[r, 0]·sqrt(32)`, so each row's first weight sets its logit; and the
+/// greedy decode step's end that the arg-max may carry out.
 #[test]
 fn logits_argmax_ties_nan_and_infinities() {
     let Some(dev) = gpu() else { return };
@@ -494,12 +495,47 @@ fn logits_argmax_ties_nan_and_infinities() {
             &nd,
             EPS,
             m.weight(),
-            Some((&mut best, &mut scratch)),
+            Some((&mut best, &mut scratch, None)),
         )
         .unwrap();
         let got = dev.download(&best).unwrap()[0];
         assert_eq!(got, want, "arg-max of {:?}..", &first[..4]);
         assert_eq!(got, cpu::argmax(&dev.download(&logits).unwrap()));
+
+        // Ending a decode step at position p0 of 8 tokens: the token (all-NaN: 0, as the CPU
+        // sampler picks) goes to out and tokens[p0 + 1] (none past the end), pos and step
+        // advance.
+        let token = if want == u32::MAX { 0 } else { want };
+        for p0 in [3u32, 7] {
+            let mut tokens = dev.upload(&[9u32; 8]).unwrap();
+            let (mut pos, mut step) = (dev.upload(&[p0]).unwrap(), dev.upload(&[41u64]).unwrap());
+            let end = StepEnd {
+                tokens: &mut tokens,
+                pos: &mut pos,
+                step: &mut step,
+            };
+            let best_end = Some((
+                &mut best as &mut dyn DevicePtrMut<u32>,
+                &mut scratch,
+                Some(end),
+            ));
+            dev.logits(&mut logits, &xd, &nd, EPS, m.weight(), best_end)
+                .unwrap();
+            let mut want_tokens = [9u32; 8];
+            if p0 < 7 {
+                want_tokens[p0 as usize + 1] = token;
+            }
+            let what = format!("step end at {p0} after {:?}..", &first[..4]);
+            assert_eq!(dev.download(&best).unwrap(), [token], "{what}: out");
+            assert_eq!(
+                dev.download(&tokens).unwrap(),
+                want_tokens,
+                "{what}: tokens"
+            );
+            assert_eq!(dev.download(&pos).unwrap(), [p0 + 1], "{what}: pos");
+            assert_eq!(dev.download(&step).unwrap(), [42], "{what}: step");
+            assert_eq!(dev.download(&scratch).unwrap(), [0, 0], "{what}: scratch");
+        }
     }
 }
 
