@@ -113,7 +113,6 @@ impl<'a> StepEnd<'a> {
     }
 
     /// The kernel's (tokens, n_tokens, pos, step), and what keeps them until the launch.
-    #[allow(clippy::type_complexity)]
     fn ptrs<'s>(self, s: &'s CudaStream) -> ((u64, u32, u64, u64), [SyncOnDrop<'s>; 3])
     where
         'a: 's,
