@@ -395,10 +395,7 @@ impl CudaModel {
             .pop_front()
             .ok_or_else(|| Error::Cuda("next_token: a launch of no steps".into()))?;
         self.pos += 1;
-        while self.launch_steps(p, more)? {}
-        if !self.queued.is_empty() || !self.launched.is_empty() {
-            self.ahead = Some(p.clone());
-        }
+        self.run_ahead(p, more)?;
         self.device_next = Some(next);
         Ok(next)
     }
@@ -434,13 +431,21 @@ impl CudaModel {
         let stream = self.dev.stream();
         stream.memcpy_dtoh(&out, &mut self.first.host)?;
         self.first.copied.record(stream)?;
-        while self.launch_steps(p, more)? {
-            self.ahead = Some(p.clone());
-        }
+        self.run_ahead(p, more)?;
         self.first.copied.synchronize()?;
         let next = self.first.host.as_slice()?[0];
         self.device_next = Some(next);
         Ok(next)
+    }
+
+    /// Launches decode steps until `more` run ahead of the host (or no slot or cache room is
+    /// left); if any do, they carry the sampling `p` (`ahead`).
+    fn run_ahead(&mut self, p: &SamplingParams, more: usize) -> Result<()> {
+        while self.launch_steps(p, more)? {}
+        if !self.queued.is_empty() || !self.launched.is_empty() {
+            self.ahead = Some(p.clone());
+        }
+        Ok(())
     }
 
     /// Launches up to `GRAPH_STEPS` decode steps after those queued and launched, as many as
