@@ -104,6 +104,8 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn bar_warp_sync(mask: u32);
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
 }
 
 /// Brings the line of `p` (global memory) into L1: the compiler may place a load long after
@@ -119,7 +121,14 @@ fn shfl_xor(v: f32, m: u32) -> f32 {
     unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) }
 }
 
-/// The warp's shared-memory writes before it are seen by its lanes' reads after it.
+/// Lane `src`'s `v` (the whole warp calls it).
+#[inline(always)]
+fn shfl_idx(v: u32, src: u32) -> u32 {
+    unsafe { shfl_idx_i32(u32::MAX, v as i32, src, 0x1f) as u32 }
+}
+
+/// The warp's memory writes before it are seen by its lanes' reads after it (`bar.warp.sync`
+/// orders memory among its lanes as `bar.sync` does among a block's).
 #[inline(always)]
 fn sync_warp() {
     unsafe { bar_warp_sync(u32::MAX) }
@@ -249,9 +258,9 @@ decode_kernel!(
     /// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
     /// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
     /// over slice `s` of the keys, so each K/V row is read once for all of them. Block: 256
-    /// threads. Shared: 38,416 bytes (the `D = 128` path's; the other needs less). Scratch:
+    /// threads. Shared: 38,400 bytes (the `D = 128` path's; the other needs less). Scratch:
     /// `partials = [n_heads, splits, 4 + ceil4(head_dim)]` f32 (per head and slice: max `m`,
-    /// sum `l`, two unused, then the unnormalised output) and `counters = [gridDim.x]` u32,
+    /// sum `l`, two unused, then the unnormalised output) and `counters = [n_heads]` u32,
     /// zero before the first launch (and left zero by every launch).
     ///
     /// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
@@ -260,10 +269,11 @@ decode_kernel!(
     /// have nothing to do and leave at once. Per tile (its K and V staged in shared memory by
     /// 16-byte loads, the next tile's loads in flight during the current one's math), lane `i`
     /// of each warp scores key `i` against its head's query, and the warp updates the head's
-    /// online softmax and its output dims `D/32` per lane. Each block stores its heads'
-    /// partials; the last block of `x` to finish, by an atomic count of the slices in use,
-    /// combines the partials of its heads into `out` in a fixed order (so the result does not
-    /// depend on which block came last) and zeroes the count for the next launch.
+    /// online softmax and its output dims `D/32` per lane. Each warp stores its head's
+    /// partials and counts them on the head's own counter; the head's last warp to count (of
+    /// the slices in use) combines the head's partials into `out` in a fixed order (so the
+    /// result does not depend on which warp came last) and zeroes the count for the next
+    /// launch. No block barrier after the tiles: a head combines as soon as its slices are in.
     attention_decode => 128, 4, false
 );
 
@@ -319,7 +329,6 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     let vs = unsafe { ks.add(32 * (D + 4)) }; // [32][D]
     let qs = unsafe { vs.add(32 * D) }; // [8][D]
     let ps = unsafe { qs.add(8 * D) }; // [8][32]
-    let is_last = unsafe { ps.add(8 * 32) } as *mut u32;
 
     // The kernel this one may overlap is attn_qkv, which let it start only once the kernels
     // before attn_qkv had finished. So the position (set before the step's first kernel) and
@@ -458,20 +467,24 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
             unsafe { store_n(mine.add(4 + d0 as usize), acc) };
         }
     }
-    // The block's partials are written; thread 0 publishes them (its count's release orders
-    // the whole block's writes, seen through the barrier, before it; the last block's count
-    // acquires the others' partials, which its threads read after the next barrier).
-    sync_threads();
-    if thread() == 0 {
-        // SAFETY: the word is this block row's counter in global memory, only used atomically
-        // while blocks of this launch run.
-        let done = unsafe { count_last(counters.add(block() as usize), used) };
-        unsafe { *is_last = done as u32 };
-    }
-    sync_threads();
-    if unsafe { *is_last } == 0 || !active {
+    // The warp's partials are written; lane 0 publishes them on head h's counter (its
+    // count's release orders the warp's writes, seen through the warp barrier, before it;
+    // the head's last count acquires the other slices' partials, which the lanes read after
+    // the next warp barrier). Warps of other heads do not wait for this one.
+    if !active {
         return;
     }
+    sync_warp();
+    let mut last = 0u32;
+    if lane == 0 {
+        // SAFETY: the word is head h's counter in global memory, only used atomically while
+        // blocks of this launch run.
+        last = unsafe { count_last(counters.add(h as usize), used) } as u32;
+    }
+    if shfl_idx(last, 0) == 0 {
+        return;
+    }
+    sync_warp();
 
     // out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) over the used slices (each has at
     // least one key, so every m_s is finite), in a fixed order. A slice's row of acc takes

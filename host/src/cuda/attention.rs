@@ -14,8 +14,8 @@ const PREFILL_ROWS: usize = 64;
 /// Shared memory of the prefill kernel: one round of K and V tiles as f16 halves.
 const PREFILL_SHARED_BYTES: u32 = 32768;
 /// Shared memory of the decode kernel, for head dims padded to 128: K `[32][132]`, V
-/// `[32][128]`, 8 queries of 128 and 8 × 32 weights, f32, and the last-block flag.
-const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4 + 16) as u32;
+/// `[32][128]`, 8 queries of 128 and 8 × 32 weights, f32.
+const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4) as u32;
 /// The kernels keep a head's output dims in registers, four per lane.
 const MAX_HEAD_DIM: usize = 128;
 /// Key slices of the decode kernel (its grid's y, at most 64). With the model's 2 kv heads
@@ -28,7 +28,7 @@ const DECODE_HEADS: usize = 8;
 
 /// Scratch of split-K decode attention (`Device::attention`): each (head, key slice)'s partial
 /// softmax `[n_heads, DECODE_SPLITS, 4 + ceil4(head_dim)]` (max, sum, two unused, the
-/// unnormalised output: 16-byte aligned rows) and a completion count per block row. The
+/// unnormalised output: 16-byte aligned rows) and a completion count per query head. The
 /// kernel leaves the counts at zero, so one scratch serves every layer and step, one launch at
 /// a time (on the device's one stream).
 pub struct AttentionScratch {
@@ -261,8 +261,8 @@ impl Device {
         // f32*, u32* (decode) or u32 (prefill), then u32, u32, u32, u32, f32) as the kernels
         // declare them. q and out hold rows * n_heads * head_dim; the kernels read cache rows
         // 0..pos[0] + rows, below max_pos or they trap. Decode: partials hold [n_heads,
-        // DECODE_SPLITS (the grid's y, <= 64), 4 + ceil4(head_dim)] and counters n_heads >=
-        // the grid's x (the scratch's shape is checked). 256 threads and the shared memory
+        // DECODE_SPLITS (the grid's y, <= 64), 4 + ceil4(head_dim)] and counters one per
+        // head (the scratch's shape is checked). 256 threads and the shared memory
         // the kernels' docs ask for. The decode kernel reads only `pos` and the cache rows
         // before pos[0] before it calls `wait_prior_grids`, so it may overlap a kernel before
         // it that writes neither (the decode step's attn_qkv writes row pos[0]).

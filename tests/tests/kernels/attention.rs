@@ -219,7 +219,7 @@ fn case(rng: &mut Rng, pos: usize, rows: usize) -> (Vec<f32>, Vec<f32>, Vec<f32>
 /// The decode kernel splits the keys into slices of whole 32-key tiles, at most 64 of them
 /// (1 key: one slice; 257: nine; 2048: 64 of 32; 2049: 33, more than one warp's lanes in
 /// the combine; 8192: 64 of 128, four tiles; 10240: 64 of 160, five tiles, the last key in
-/// the fifth), and combines the slices' partials in the last block to finish. Shapes: the
+/// the fifth), and each head's last warp to finish combines its slices' partials. Shapes: the
 /// model's; 20 q heads on 2 kv heads with head_dim 64 (groups of 10: two blocks of the fast
 /// path per kv head, the second with 2 heads); 40 on 2 with head_dim 128 (groups of 20: three
 /// blocks of 8 warps per kv head, the last with 4 heads); and head_dim 41 (odd: the generic
