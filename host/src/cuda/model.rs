@@ -8,10 +8,12 @@
 //! at load, so nothing is allocated per token.
 use std::cell::{Cell, RefCell};
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{
-    CudaEvent, CudaGraph, CudaSlice, CudaView, CudaViewMut, DevicePtrMut, PinnedHostSlice,
+    CudaEvent, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
+    PinnedHostSlice,
 };
 
 use super::{AttentionScratch, Device, GpuMatrix, StepEnd};
@@ -116,6 +118,21 @@ impl Slot {
             host: dev.pinned(len)?,
             copied: dev.event()?,
         })
+    }
+
+    /// Copies `tokens` (on the device) here after the work on `stream` so far, and records
+    /// `copied` after the copy (with cudarc's event tracking off, the pinned buffer's own
+    /// event is never recorded).
+    fn fetch(&mut self, stream: &Arc<CudaStream>, tokens: &impl DevicePtr<u32>) -> Result<()> {
+        stream.memcpy_dtoh(tokens, &mut self.host)?;
+        self.copied.record(stream)?;
+        Ok(())
+    }
+
+    /// The first `n` tokens of the last `fetch`, once its copy is done.
+    fn tokens(&self, n: usize) -> Result<&[u32]> {
+        self.copied.synchronize()?;
+        Ok(&self.host.as_slice()?[..n])
     }
 }
 
@@ -386,9 +403,7 @@ impl CudaModel {
                 .launched
                 .pop_front()
                 .ok_or_else(|| Error::Cuda("next_token: no decode steps launched".into()))?;
-            let s = &self.slots[slot];
-            s.copied.synchronize()?;
-            self.queued.extend(&s.host.as_slice()?[..steps]);
+            self.queued.extend(self.slots[slot].tokens(steps)?);
         }
         let next = self
             .queued
@@ -428,12 +443,9 @@ impl CudaModel {
             p,
             &mut b.cands,
         )?;
-        let stream = self.dev.stream();
-        stream.memcpy_dtoh(&out, &mut self.first.host)?;
-        self.first.copied.record(stream)?;
+        self.first.fetch(self.dev.stream(), &out)?;
         self.run_ahead(p, more)?;
-        self.first.copied.synchronize()?;
-        let next = self.first.host.as_slice()?[0];
+        let next = self.first.tokens(1)?[0];
         self.device_next = Some(next);
         Ok(next)
     }
@@ -492,11 +504,9 @@ impl CudaModel {
             }
         };
         self.graphs[i].graph.launch()?;
-        let stream = self.dev.stream();
         let first = slot * GRAPH_STEPS;
-        let s = &mut self.slots[slot];
-        stream.memcpy_dtoh(&self.buf.next.slice(first..first + steps), &mut s.host)?;
-        s.copied.record(stream)?;
+        let tokens = self.buf.next.slice(first..first + steps);
+        self.slots[slot].fetch(self.dev.stream(), &tokens)?;
         self.launched.push_back((slot, steps));
         Ok(true)
     }
