@@ -16,6 +16,7 @@ use core::arch::{asm, nvptx};
 
 use crate::util::{
     F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, count_last, exp, fma,
+    from_lane,
     grid_dim, ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
     wait_prior_grids, warp_max, warp_sum,
 };
@@ -104,8 +105,6 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn bar_warp_sync(mask: u32);
-    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
-    fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
 }
 
 /// Brings the line of `p` (global memory) into L1: the compiler may place a load long after
@@ -119,12 +118,6 @@ fn prefetch_l1(p: *const f32) {
 #[inline(always)]
 fn shfl_xor(v: f32, m: u32) -> f32 {
     unsafe { shfl_bfly_f32(u32::MAX, v, m, 0x1f) }
-}
-
-/// Lane `src`'s `v` (the whole warp calls it).
-#[inline(always)]
-fn shfl_idx(v: u32, src: u32) -> u32 {
-    unsafe { shfl_idx_i32(u32::MAX, v as i32, src, 0x1f) as u32 }
 }
 
 /// The warp's memory writes before it are seen by its lanes' reads after it (`bar.warp.sync`
@@ -481,7 +474,7 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
         // blocks of this launch run.
         last = unsafe { count_last(counters.add(h as usize), used) } as u32;
     }
-    if shfl_idx(last, 0) == 0 {
+    if from_lane(last, 0) == 0 {
         return;
     }
     sync_warp();

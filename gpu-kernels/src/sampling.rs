@@ -10,14 +10,13 @@
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    WARP, better, block, block_dim, block_sum, shared, sync_threads, thread, warp_argmax,
+    WARP, better, block, block_dim, block_sum, from_lane, shared, sync_threads, thread,
+    warp_argmax,
 };
 
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.up.i32"]
     fn shfl_up_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
-    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
-    fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
     #[link_name = "llvm.nvvm.vote.ballot.sync"]
     fn ballot(mask: u32, pred: bool) -> u32;
     #[link_name = "llvm.nvvm.ex2.approx.f"]
@@ -570,11 +569,6 @@ fn warp_prefix(mut v: u32) -> u32 {
         delta *= 2;
     }
     v
-}
-
-/// `v` of lane `lane` of this warp.
-fn from_lane(v: u32, lane: u32) -> u32 {
-    unsafe { shfl_idx_i32(!0, v as i32, lane, 0x1f) as u32 }
 }
 
 /// Sorts the first `len` (a power of two, at most 1024) candidates best first by `better`:

@@ -10,6 +10,8 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.shfl.sync.bfly.i32"]
     fn shfl_bfly_i32(mask: u32, v: i32, lane_mask: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
+    fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
 }
 
 #[inline(always)]
@@ -36,6 +38,12 @@ pub fn sync_threads() {
 #[inline(always)]
 pub fn shared<T>() -> *mut T {
     core::intrinsics::gpu::gpu_launch_sized_workgroup_mem::<T>()
+}
+
+/// `v` of lane `lane` of this warp (the whole warp calls it).
+#[inline(always)]
+pub fn from_lane(v: u32, lane: u32) -> u32 {
+    unsafe { shfl_idx_i32(FULL_MASK, v as i32, lane, 0x1f) as u32 }
 }
 
 /// Sum over the 32 lanes of a warp; every lane gets the result.
