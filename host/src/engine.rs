@@ -221,29 +221,41 @@ impl Engine {
     ) -> Result<Engine> {
         let t0 = Instant::now();
         let g = Gguf::open(path)?;
-        let tokenizer = Tokenizer::from_gguf(&g)?;
         let ctx = opts.ctx.unwrap_or(DEFAULT_CTX);
         let mut notice = None;
-        let gpu = match opts.device {
-            DeviceChoice::Cpu => None,
-            DeviceChoice::Cuda => Some(Device::open(0)?),
-            DeviceChoice::Auto => Device::open(0)
-                .map_err(|e| notice = Some(format!("{e}: running on the CPU")))
-                .ok(),
-        };
-        let (model, device, vocab) = match gpu {
-            Some(dev) => {
-                let name = dev.name()?;
-                let m = CudaModel::load(dev, &g, ctx, opts.weights, progress)?;
-                let vocab = m.cfg.vocab;
-                (Model::Cuda(m), name, vocab)
-            }
-            None => {
-                let m = CpuModel::load(&g, ctx)?;
-                let vocab = m.cfg.vocab;
-                (Model::Cpu(m), "cpu".to_string(), vocab)
-            }
-        };
+        // The tokenizer (~0.2 s for Qwen2's 151k tokens and merges) is built while the device
+        // opens and the weights load; its error, if any, is the one reported.
+        let (tokenizer, loaded) = std::thread::scope(|s| {
+            let tokenizer = s.spawn(|| Tokenizer::from_gguf(&g));
+            let loaded = (|| -> Result<(Model, String, usize)> {
+                let gpu = match opts.device {
+                    DeviceChoice::Cpu => None,
+                    DeviceChoice::Cuda => Some(Device::open(0)?),
+                    DeviceChoice::Auto => Device::open(0)
+                        .map_err(|e| notice = Some(format!("{e}: running on the CPU")))
+                        .ok(),
+                };
+                Ok(match gpu {
+                    Some(dev) => {
+                        let name = dev.name()?;
+                        let m = CudaModel::load(dev, &g, ctx, opts.weights, progress)?;
+                        let vocab = m.cfg.vocab;
+                        (Model::Cuda(m), name, vocab)
+                    }
+                    None => {
+                        let m = CpuModel::load(&g, ctx)?;
+                        let vocab = m.cfg.vocab;
+                        (Model::Cpu(m), "cpu".to_string(), vocab)
+                    }
+                })
+            })();
+            let tokenizer = tokenizer
+                .join()
+                .unwrap_or_else(|e| std::panic::resume_unwind(e));
+            (tokenizer, loaded)
+        });
+        let tokenizer = tokenizer?;
+        let (model, device, vocab) = loaded?;
         let load_s = t0.elapsed().as_secs_f64();
         Ok(Engine {
             tokenizer,
