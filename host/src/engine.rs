@@ -196,6 +196,37 @@ impl Model {
     }
 }
 
+/// The model of `g` on `opts.device`, with its device's name and vocabulary. With `Auto`, a
+/// GPU that does not open leaves the model on the CPU and `notice` says why.
+fn load_model(
+    g: &Gguf,
+    opts: &LoadOptions,
+    ctx: usize,
+    progress: &mut dyn FnMut(Progress),
+    notice: &mut Option<String>,
+) -> Result<(Model, String, usize)> {
+    let gpu = match opts.device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => Some(Device::open(0)?),
+        DeviceChoice::Auto => Device::open(0)
+            .map_err(|e| *notice = Some(format!("{e}: running on the CPU")))
+            .ok(),
+    };
+    Ok(match gpu {
+        Some(dev) => {
+            let name = dev.name()?;
+            let m = CudaModel::load(dev, g, ctx, opts.weights, progress)?;
+            let vocab = m.cfg.vocab;
+            (Model::Cuda(m), name, vocab)
+        }
+        None => {
+            let m = CpuModel::load(g, ctx)?;
+            let vocab = m.cfg.vocab;
+            (Model::Cpu(m), "cpu".to_string(), vocab)
+        }
+    })
+}
+
 /// A loaded model: weights on its device, tokenizer and chat template.
 pub struct Engine {
     tokenizer: Tokenizer,
@@ -227,28 +258,7 @@ impl Engine {
         // opens and the weights load; its error, if any, is the one reported.
         let (tokenizer, loaded) = std::thread::scope(|s| {
             let tokenizer = s.spawn(|| Tokenizer::from_gguf(&g));
-            let loaded = (|| -> Result<(Model, String, usize)> {
-                let gpu = match opts.device {
-                    DeviceChoice::Cpu => None,
-                    DeviceChoice::Cuda => Some(Device::open(0)?),
-                    DeviceChoice::Auto => Device::open(0)
-                        .map_err(|e| notice = Some(format!("{e}: running on the CPU")))
-                        .ok(),
-                };
-                Ok(match gpu {
-                    Some(dev) => {
-                        let name = dev.name()?;
-                        let m = CudaModel::load(dev, &g, ctx, opts.weights, progress)?;
-                        let vocab = m.cfg.vocab;
-                        (Model::Cuda(m), name, vocab)
-                    }
-                    None => {
-                        let m = CpuModel::load(&g, ctx)?;
-                        let vocab = m.cfg.vocab;
-                        (Model::Cpu(m), "cpu".to_string(), vocab)
-                    }
-                })
-            })();
+            let loaded = load_model(&g, opts, ctx, progress, &mut notice);
             let tokenizer = tokenizer
                 .join()
                 .unwrap_or_else(|e| std::panic::resume_unwind(e));
