@@ -27,6 +27,9 @@ const THREADS: u32 = 256;
 const TILE_KEYS: u32 = 32;
 /// Most key slices the decode kernel's combine takes (its grid's y).
 const MAX_SPLITS: u32 = 64;
+/// Keys up to which each block of the decode kernel has one tile at most (with `MAX_SPLITS`
+/// slices, as the host launches it).
+pub const ONE_TILE_KEYS: u32 = MAX_SPLITS * TILE_KEYS;
 /// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
 const PREFILL_ROWS: u32 = 64;
 

@@ -220,8 +220,8 @@ impl Device {
     /// (`rope_table`'s `[positions, head_dim/2, 2]`). `qkv` holds the (weights, bias) of q, k
     /// and v; `head_dim = q.len() / n_heads`; the caches are `[max_pos, n_kv_heads·head_dim]`.
     /// The kernel traps when `pos[0]` is past the caches or the table, and prefetches cache
-    /// rows `0..=pos[0]` into L2 for the attention. Twin: `cpu::rms_norm`, `cpu::matmul` of
-    /// each, `cpu::rope_neox` of q and k.
+    /// rows `0..=pos[0]` into L2 for the attention (below 2,048 keys). Twin: `cpu::rms_norm`,
+    /// `cpu::matmul` of each, `cpu::rope_neox` of q and k.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_qkv(
         &self,
