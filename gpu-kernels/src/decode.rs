@@ -6,10 +6,13 @@
 //!   into L2 for the attention kernel after it, below `ONE_TILE_KEYS` keys);
 //! - `ffn_gate_up`: RMSNorm and SwiGLU's `silu(w_gate·x)·(w_up·x)`;
 //! - `gemv_residual`: `y += w·v + bias`, the attention output and FFN down projections;
-//! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max.
+//! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max;
+//! - `logit_bounds` and `argmax_bounded`: greedy decoding's arg-max of a q8_0 vocabulary
+//!   projection in two passes, the first bounding every logit from the top five bits of its
+//!   quants (22 of each chunk's 34 bytes), the second computing only the rows that can win.
 //!
 //! CPU twins: the compositions of `orcd::cpu::{rms_norm, matmul, rope_neox, silu_mul, add,
-//! argmax}` the forward pass runs.
+//! argmax}` the forward pass runs, and `orcd::cpu::logit_bounds`.
 //!
 //! An RMSNorm ahead of a GEMV is no pass of its own: `w·(x·s ∘ g) = s·(w·(x ∘ g))`, so the
 //! block stages `x ∘ g` in shared memory (`matmul::stage`) and sums `x²` from the same loads,
@@ -30,10 +33,12 @@ use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::attention::ONE_TILE_KEYS;
 use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
+use crate::quant::{Packed, Q8_0, RADIUS, TopChunk};
 use crate::sampling::end_step;
 use crate::util::{
-    better, block, block_dim, block_sum, count_last, exp, grid_dim, load_early, prefetch_l2,
-    shared, sync_threads, thread,
+    WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp,
+    from_lane, grid_dim, load_early, prefetch_l2, shared, sync_threads, thread, wait_prior_grids,
+    warp_max_u32, warp_sum,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block,
@@ -413,6 +418,205 @@ fn grid_argmax(
             unsafe { end_step(token, best, tokens, n_tokens, pos, step) };
         }
     }
+}
+
+/// The ordered key of a bound: larger floats give larger keys; NaN gives 0, below all.
+#[inline(always)]
+fn bound_key(v: f32) -> u32 {
+    (best_key(v, 0) >> 32) as u32
+}
+
+/// The bound of a key of [`bound_key`]; 0 (no bound) gives -inf.
+#[inline(always)]
+fn key_bound(k: u32) -> f32 {
+    match k {
+        0 => f32::NEG_INFINITY,
+        k if k >> 31 == 1 => f32::from_bits(k & 0x7fff_ffff),
+        k => f32::from_bits(!k),
+    }
+}
+
+/// How far [`logit_bounds`] widens `RADIUS`: past the float roundings of the estimate and of
+/// `logits`' own sums (each a few 2^-24 of at most 256·|d|·Σ|x| per chunk: under 2^-11 of
+/// `|d|·Σ|x|` in all).
+const SLACK: f32 = 1.0 / 256.0;
+
+/// Greedy decoding's first pass over a q8_0 vocabulary projection, reading 22 of each chunk's
+/// 34 bytes: for every row `r`, `upper[r]` >= `logits[r]` as `logits` computes it (`xn =
+/// rms_norm(x)·norm`, `n_in` <= 1024 long), and `lower[block]` = the [`bound_key`] of the
+/// largest lower bound over the block's rows (0 for none), from the top five bits of each quant
+/// (`quant::Packed::bound`: the logit within `s·(e ± (RADIUS + SLACK)·m)`). Only rows whose
+/// upper bound reaches the largest lower bound can be the arg-max: [`argmax_bounded`] computes
+/// those exactly. `fifth` is the matrix's fifth-bit plane (`orcd::pack::fifth_bits`).
+/// Units are four rows, one warp each; shared: as `matmul::stage` says, for one warp per unit.
+/// Grid: any number of blocks (they stride over the units), `lower` holds one word per block;
+/// block: a multiple of 32 threads (at most 32 warps).
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "gpu-kernel" fn logit_bounds(
+    upper: *mut f32,
+    lower: *mut u32,
+    x: *const f32,
+    norm: *const f32,
+    eps: f32,
+    w: *const u8,
+    fifth: *const u32,
+    n_in: u32,
+    n_out: u32,
+) {
+    let w = Packed::<Q8_0>::new(w, n_out, n_in);
+    let n_chunks = n_in / 32;
+    let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
+    let (live, c) = (lane < n_chunks, lane_chunk(1, n_chunks));
+    let (units, stride) = (n_out.div_ceil(4), grid_dim() * warps);
+    let row = |u: u32, k: u32| (4 * u.min(units - 1) + k).min(n_out - 1);
+    // Units past the end load the last one again, so that every load is unconditional. Four
+    // rows a warp: what a warp has in flight is what keeps this pass near the DRAM's pace
+    // (H100: two rows a warp, 80 registers and 3 blocks an SM, decode 2,190 tok/s; four, 127
+    // and 2, 2,215).
+    let load = |u: u32| unsafe {
+        (
+            w.top_chunk(fifth, row(u, 0) as usize, c),
+            w.top_chunk(fifth, row(u, 1) as usize, c),
+            w.top_chunk(fifth, row(u, 2) as usize, c),
+            w.top_chunk(fifth, row(u, 3) as usize, c),
+        )
+    };
+    let mut u = block() * warps + warp;
+    let mut chunks = load(u);
+    wait_prior_grids();
+    allow_next_grid();
+    let (xs, s) = held_norm::<Packed<Q8_0>>(x, norm, n_in, eps, 1);
+    let mut x_abs = 0.0;
+    for i in 0..32 {
+        x_abs += xs.x[i].abs();
+    }
+    let x_abs = x_abs / <Packed<Q8_0> as Weights>::X_SCALE;
+    let radius = RADIUS + SLACK;
+    let mut most = 0u32;
+    while u < units {
+        let next = load(u + stride);
+        // The row's (upper, lower) bound.
+        let bound = |ch: &TopChunk| {
+            let (e, m) = Packed::<Q8_0>::bound(ch, &xs, x_abs);
+            let (e, m) = (warp_sum(if live { e } else { 0.0 }), warp_sum(if live { m } else { 0.0 }));
+            (s * (e + radius * m), s * (e - radius * m))
+        };
+        let (b0, b1, b2, b3) = (
+            bound(&chunks.0),
+            bound(&chunks.1),
+            bound(&chunks.2),
+            bound(&chunks.3),
+        );
+        if lane == 0 {
+            // Written out: an array of them would live in local memory.
+            unsafe { *upper.add(row(u, 0) as usize) = b0.0 };
+            unsafe { *upper.add(row(u, 1) as usize) = b1.0 };
+            unsafe { *upper.add(row(u, 2) as usize) = b2.0 };
+            unsafe { *upper.add(row(u, 3) as usize) = b3.0 };
+            most = most.max(bound_key(b0.1)).max(bound_key(b1.1));
+            most = most.max(bound_key(b2.1)).max(bound_key(b3.1));
+        }
+        chunks = next;
+        u += stride;
+    }
+    // The block's largest, through the reductions' slots (free since the norm's sum).
+    let slots = shared::<u32>();
+    if lane == 0 {
+        unsafe { *slots.add(warp as usize) = most };
+    }
+    sync_threads();
+    if thread() == 0 {
+        for k in 1..warps {
+            most = most.max(unsafe { *slots.add(k as usize) });
+        }
+        unsafe { *lower.add(block() as usize) = most };
+    }
+}
+
+/// Greedy decoding's second pass: `best[0]` = the arg-max of the logits of `logits` (same
+/// rules, and the same value for every row it computes: the same staged vector, products and
+/// sums), from the bounds of [`logit_bounds`], the grid before this one: the threshold `T` is
+/// the largest of its `n_lower` lower bounds, and only rows with `upper[r] >= T` (or NaN) are
+/// computed, as every row at least as large as the arg-max is. Ends the step as `logits` does
+/// (`grid_argmax`, `scratch` its 2 u64, zero). Each block takes a contiguous share of the rows,
+/// each warp 256 at a time. Grid: any; block: a multiple of 32 threads (at most 32 warps);
+/// shared: as `matmul::stage` says, for one warp per unit.
+#[unsafe(no_mangle)]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "gpu-kernel" fn argmax_bounded(
+    best: *mut u32,
+    scratch: *mut u64,
+    upper: *const f32,
+    lower: *const u32,
+    n_lower: u32,
+    x: *const f32,
+    norm: *const f32,
+    eps: f32,
+    w: *const u8,
+    n_in: u32,
+    n_out: u32,
+    tokens: *mut u32,
+    n_tokens: u32,
+    pos: *mut u32,
+    step: *mut u64,
+) {
+    let w = Packed::<Q8_0>::new(w, n_out, n_in);
+    let n_chunks = n_in / 32;
+    let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
+    let (live, c) = (lane < n_chunks, lane_chunk(1, n_chunks));
+    // `x` is final before the grid before this one passed its wait (see `wait_prior_grids`).
+    let (xs, s) = held_norm::<Packed<Q8_0>>(x, norm, n_in, eps, 1);
+    wait_prior_grids();
+    allow_next_grid();
+    // Loads in batches of `BATCH` a lane, all in flight at once: a loop of one load at a
+    // time would wait for each in turn.
+    const BATCH: u32 = 8;
+    let mut t = 0u32;
+    let mut first = 0;
+    while first < n_lower {
+        for k in 0..BATCH {
+            let i = first + WARP * k + lane;
+            if i < n_lower {
+                t = t.max(unsafe { *lower.add(i as usize) });
+            }
+        }
+        first += WARP * BATCH;
+    }
+    let t = key_bound(warp_max_u32(t));
+    let share = n_out.div_ceil(grid_dim());
+    let end = n_out.min((block() + 1) * share);
+    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
+    let mut first = block() * share + WARP * BATCH * warp;
+    while first < end {
+        // Bit k: row `first + 32k + lane` may be the arg-max.
+        let mut mine = 0u32;
+        for k in 0..BATCH {
+            let r = first + WARP * k + lane;
+            if r < end && !(unsafe { *upper.add(r as usize) } < t) {
+                mine |= 1 << k;
+            }
+        }
+        loop {
+            let lanes = ballot(mine != 0);
+            if lanes == 0 {
+                break;
+            }
+            let l = lanes.trailing_zeros();
+            let r = first + WARP * from_lane(mine, l).trailing_zeros() + l;
+            if lane == l {
+                mine &= mine - 1;
+            }
+            let ch = unsafe { w.load_chunk::<true>(r as usize, c) };
+            // As `gemv_units` and `logits` compute it, bit for bit.
+            let v = warp_sum(if live { Packed::<Q8_0>::dot(&ch, &xs) } else { 0.0 }) * s;
+            if better(v, r, bv, bi) {
+                (bv, bi) = (v, r);
+            }
+        }
+        first += WARP * BATCH * warps;
+    }
+    grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
 }
 
 /// The entry points of a decode kernel `$body`, one per weight family (`matmul::family`): the

@@ -10,15 +10,13 @@
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
 use crate::util::{
-    WARP, better, block, block_dim, block_sum, from_lane, shared, sync_threads, thread,
+    WARP, ballot, better, block, block_dim, block_sum, from_lane, shared, sync_threads, thread,
     warp_argmax,
 };
 
 unsafe extern "C" {
     #[link_name = "llvm.nvvm.shfl.sync.up.i32"]
     fn shfl_up_i32(mask: u32, v: i32, delta: u32, clamp: u32) -> i32;
-    #[link_name = "llvm.nvvm.vote.ballot.sync"]
-    fn ballot(mask: u32, pred: bool) -> u32;
     #[link_name = "llvm.nvvm.ex2.approx.f"]
     fn ex2(x: f32) -> f32;
 }
@@ -514,7 +512,7 @@ fn gather(
         let key = key(v);
         let above = key != 0 && key & mask > prefix;
         let at = key != 0 && key & mask == prefix;
-        let (above_votes, at_votes) = unsafe { (ballot(!0, above), ballot(!0, at)) };
+        let (above_votes, at_votes) = (ballot(above), ballot(at));
         if lane == 0 {
             let c = above_votes.count_ones() | at_votes.count_ones() << 16;
             unsafe { *sh.add(counts + warp as usize) = c };
@@ -537,7 +535,7 @@ fn gather(
         let keep = above || (at && rank < need);
         let slot = written
             + from_lane(kept_upto - kept, warp)
-            + (unsafe { ballot(!0, keep) } & below).count_ones();
+            + (ballot(keep) & below).count_ones();
         if keep && slot < cap {
             unsafe {
                 *out_v.add(slot as usize) = v;

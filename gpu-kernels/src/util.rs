@@ -12,6 +12,8 @@ unsafe extern "C" {
     fn shfl_bfly_i32(mask: u32, v: i32, lane_mask: u32, clamp: u32) -> i32;
     #[link_name = "llvm.nvvm.shfl.sync.idx.i32"]
     fn shfl_idx_i32(mask: u32, v: i32, lane: u32, clamp: u32) -> i32;
+    #[link_name = "llvm.nvvm.vote.ballot.sync"]
+    fn vote_ballot(mask: u32, pred: bool) -> u32;
 }
 
 #[inline(always)]
@@ -44,6 +46,12 @@ pub fn shared<T>() -> *mut T {
 #[inline(always)]
 pub fn from_lane(v: u32, lane: u32) -> u32 {
     unsafe { shfl_idx_i32(FULL_MASK, v as i32, lane, 0x1f) as u32 }
+}
+
+/// The lanes of this warp whose `pred` is true, bit `l` for lane `l` (the whole warp calls it).
+#[inline(always)]
+pub fn ballot(pred: bool) -> u32 {
+    unsafe { vote_ballot(FULL_MASK, pred) }
 }
 
 /// Sum over the 32 lanes of a warp; every lane gets the result.
@@ -133,6 +141,17 @@ pub fn warp_max(mut v: f32) -> f32 {
     let mut m = 16;
     while m > 0 {
         v = v.max(unsafe { shfl_bfly_f32(FULL_MASK, v, m, 0x1f) });
+        m >>= 1;
+    }
+    v
+}
+
+/// Maximum of a `u32` over the 32 lanes of a warp; every lane gets the result.
+#[inline(always)]
+pub fn warp_max_u32(mut v: u32) -> u32 {
+    let mut m = 16;
+    while m > 0 {
+        v = v.max(unsafe { shfl_bfly_i32(FULL_MASK, v as i32, m, 0x1f) } as u32);
         m >>= 1;
     }
     v

@@ -277,8 +277,8 @@ impl Engine {
         })
     }
 
-    /// Bytes of weights one decoded token reads (every matrix, norm and bias once, and one row
-    /// of the embedding table), in the form the device keeps them.
+    /// Bytes of weights one greedy decoded token reads (every matrix, norm and bias once, and
+    /// one row of the embedding table), in the form the device keeps them.
     pub fn weight_bytes_per_token(&self) -> u64 {
         match &self.model {
             Model::Cpu(m) => m.weight_bytes_per_token(),

@@ -30,6 +30,31 @@ pub fn argmax(x: &[f32]) -> u32 {
     bi
 }
 
+/// Twin of the greedy arg-max's first pass (`logit_bounds`): for each row of the q8_0 matrix
+/// `w` (the file's blocks, rows of `xn.len()`), `(e, m)` such that its logit `w[r]·xn` lies
+/// within `e ± 3.5·m`: `e` takes the low 3 bits of each quant `q + 128` as 3.5, the middle of
+/// 0..=7, and `m = Σ|d|·Σ|xn|` over the row's blocks. In f64.
+pub fn logit_bounds(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
+    let row_bytes = xn.len() / 32 * 34;
+    w.par_chunks(row_bytes)
+        .map(|row| {
+            let (mut e, mut m) = (0.0, 0.0);
+            for (b, x) in row.chunks(34).zip(xn.chunks(32)) {
+                let d = f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32());
+                let (mut s, mut a) = (0.0, 0.0);
+                for (q, x) in b[2..].iter().zip(x) {
+                    let top = f64::from((q ^ 0x80) >> 3);
+                    s += (8.0 * top + 3.5 - 128.0) * f64::from(*x);
+                    a += f64::from(x.abs());
+                }
+                e += d * s;
+                m += d.abs() * a;
+            }
+            (e, m)
+        })
+        .collect()
+}
+
 /// `y[r] = sum_c w[r, c] * x[c]` for an f16 `[y.len(), x.len()]` row-major matrix.
 pub fn gemv_f16(y: &mut [f32], w: &[f16], x: &[f32]) {
     let cols = x.len();
@@ -185,4 +210,53 @@ fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
     (0..head_dim / 2)
         .map(|i| 1.0 / theta.powf((2 * i) as f32 / head_dim as f32))
         .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `logit_bounds` holds each row's logit within `e ± 3.5·m`, reached when every low 3 bits
+    /// are 0 (or 7) and `d·x` has one sign.
+    #[test]
+    fn logit_bounds_hold_the_logits() {
+        let (rows, n_in) = (64, 96);
+        let mut s = 7u64;
+        let mut next = move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        let mut w: Vec<u8> = (0..rows * n_in / 32 * 34).map(|_| next() as u8).collect();
+        for b in w.chunks_mut(34) {
+            b[..2]
+                .copy_from_slice(&f16::from_f32((next() % 1000) as f32 / 1e4 - 0.05).to_le_bytes());
+        }
+        // Row 0: low bits all 0 (of q + 128), scales positive.
+        for b in w[..n_in / 32 * 34].chunks_mut(34) {
+            b[1] &= 0x7f;
+            for q in &mut b[2..] {
+                *q = ((*q ^ 0x80) & !7) ^ 0x80;
+            }
+        }
+        let x: Vec<f32> = (0..n_in).map(|_| (next() % 2000) as f32 / 1000.0).collect();
+        let mut dq = vec![0.0; rows * n_in];
+        crate::quant::dequantize(crate::quant::GgmlType::Q8_0, &w, &mut dq).unwrap();
+        for (r, (e, m)) in logit_bounds(&w, &x).into_iter().enumerate() {
+            let exact: f64 = dq[r * n_in..(r + 1) * n_in]
+                .iter()
+                .zip(&x)
+                .map(|(w, x)| f64::from(*w) * f64::from(*x))
+                .sum();
+            let off = (exact - e).abs();
+            assert!(
+                off <= 3.5 * m * (1.0 + 1e-9),
+                "row {r}: {exact} vs {e} ± 3.5·{m}"
+            );
+            if r == 0 {
+                assert!((off - 3.5 * m).abs() <= 1e-9 * m, "row 0 reaches the bound");
+            }
+        }
+    }
 }

@@ -504,3 +504,144 @@ impl Device {
         Ok(())
     }
 }
+
+/// Greedy decoding's bounded arg-max over a q8_0 vocabulary projection (rows of at most 1,024,
+/// one warp each): the matrix's fifth-bit plane (`pack::fifth_bits`) and the buffers of its
+/// two passes, the rows' upper bounds and a lower bound per block of the first.
+pub struct BoundedArgmax {
+    fifth: CudaSlice<u32>,
+    upper: CudaSlice<f32>,
+    lower: CudaSlice<u32>,
+}
+
+impl BoundedArgmax {
+    /// Whether it applies to a matrix of `ty` with rows of `n_in`: q8_0, rows of at most 1,024.
+    pub fn applies(ty: GgmlType, n_in: usize) -> bool {
+        ty == GgmlType::Q8_0 && n_in <= 1024
+    }
+
+    /// Its bytes on the GPU for `rows` rows of `n_in`: a fifth-bits word per chunk, an upper
+    /// bound per row (and a lower bound per block of the first pass, a few hundred bytes).
+    pub fn bytes(rows: usize, n_in: usize) -> usize {
+        rows * (n_in / 32 + 1) * 4
+    }
+
+    /// The rows' upper bounds of the last launch's first pass (`cpu::logit_bounds`' twin).
+    pub fn upper_bounds(&self, dev: &Device) -> Result<Vec<f32>> {
+        dev.download(&self.upper)
+    }
+
+    /// Bytes of the matrix its first pass reads: each chunk's high nibbles (16), fifth bits
+    /// (4) and scale (2). The second reads the few rows it computes exactly, not counted.
+    pub fn first_pass_bytes(&self) -> usize {
+        self.fifth.len() * (16 + 4 + 2)
+    }
+}
+
+impl Device {
+    /// What [`Device::argmax_bounded`] needs for the matrix `w`, uploaded from the file's q8_0
+    /// blocks `data`; `None` where it does not apply: other types, rows longer than 1,024.
+    pub fn bounded_argmax(&self, w: &GpuMatrix, data: &[u8]) -> Result<Option<BoundedArgmax>> {
+        if !BoundedArgmax::applies(w.ty(), w.n_in()) {
+            return Ok(None);
+        }
+        let fifth = crate::pack::fifth_bits(data)?;
+        check(
+            fifth.len() == w.rows() * (w.n_in() / 32),
+            "bounded arg-max: blocks of the matrix",
+        )?;
+        let blocks = self.bounds_launch(w)?.grid_dim.0 as usize;
+        Ok(Some(BoundedArgmax {
+            fifth: self.upload(&fifth)?,
+            upper: self.zeros(w.rows())?,
+            lower: self.zeros(blocks)?,
+        }))
+    }
+
+    /// The launch of `logit_bounds` over `w`: units of four rows, one warp each.
+    fn bounds_launch(&self, w: &GpuMatrix) -> Result<LaunchConfig> {
+        let split = split_of(w.n_in(), "logit_bounds")?;
+        let g = self.geometry(w.rows().div_ceil(4), split, w.n_in())?;
+        self.strided_launch("logit_bounds", &g)
+    }
+
+    /// What `logits` with `best` gives in `best`'s words (the same token, and the same end
+    /// of the step), without the logits: a first pass bounds every row's logit from the top
+    /// five bits of its quants (22 of each chunk's 34 bytes), a second computes exactly, as
+    /// `logits` does, only the rows whose upper bound reaches the largest lower bound (the
+    /// arg-max is one of them). `w` the q8_0 matrix `b` was made for. Twin: `cpu::logit_bounds`
+    /// (the first pass), `cpu::argmax`.
+    pub fn argmax_bounded(
+        &self,
+        b: &mut BoundedArgmax,
+        x: &impl DevicePtr<f32>,
+        norm: &impl DevicePtr<f32>,
+        eps: f32,
+        w: &GpuMatrix,
+        best: Argmax<'_>,
+    ) -> Result<()> {
+        const WHAT: &str = "argmax_bounded";
+        let (n_in, n_out) = (x.len(), w.rows());
+        check(norm.len() == n_in, "argmax_bounded: shapes of x and norm")?;
+        check_matrix(w, n_out, n_in, WHAT)?;
+        let (out, scratch, end) = best;
+        check(
+            BoundedArgmax::applies(w.ty(), n_in)
+                && b.fifth.len() == n_out * (n_in / 32)
+                && b.upper.len() == n_out
+                && out.len() >= 1
+                && scratch.len() >= 2
+                && end.as_ref().is_none_or(StepEnd::valid),
+            "argmax_bounded: matrix, bounds, best, scratch and step",
+        )?;
+        let first = self.bounds_launch(w)?;
+        let n_lower = first.grid_dim.0;
+        check(
+            b.lower.len() >= n_lower as usize,
+            "argmax_bounded: lower bounds",
+        )?;
+        let (n_in, n_out) = (u32_of(n_in, WHAT)?, u32_of(n_out, WHAT)?);
+        let s = self.stream();
+        let (xp, _x) = x.device_ptr(s);
+        let (np, _n) = norm.device_ptr(s);
+        check_aligned(&[xp, np], WHAT)?;
+        let (wp, _w) = w.ptr(s);
+        let (fp, _f) = b.fifth.device_ptr(s);
+        let (up, _u) = b.upper.device_ptr_mut(s);
+        let (lp, _l) = b.lower.device_ptr_mut(s);
+        let mut l = self.launch("logit_bounds");
+        l.arg(&up).arg(&lp).arg(&xp).arg(&np).arg(&eps);
+        l.arg(&wp).arg(&fp).arg(&n_in).arg(&n_out);
+        // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u32*,
+        // u32, u32). w is n_out q8_0 GpuMatrix rows of n_in <= 1024 (whole chunks, one warp
+        // each) with its fifth bits; x and norm hold n_in, 16-byte aligned; upper holds n_out
+        // and lower a word per block; blocks are whole warps, shared as `gemv_shared`.
+        // It may overlap the kernel before: it reads only weights before it waits.
+        unsafe { l.run(first, true) }?;
+
+        let g = Geometry {
+            threads: 32 * MAX_WARPS,
+            per_block: MAX_WARPS,
+            blocks: self.sm_count()?,
+            shared: gemv_shared(32 * MAX_WARPS, n_in as usize)?,
+        };
+        let second = self.gemv_launch(WHAT, &g, g.blocks)?;
+        let (op, _o) = out.device_ptr_mut(s);
+        let (sp, _s) = scratch.device_ptr_mut(s);
+        let end = end.map(|e| e.ptrs(s));
+        let (tp, nt, pp, stp) = end.as_ref().map_or((0, 0, 0, 0), |(p, _)| *p);
+        let mut l = self.launch(WHAT);
+        l.arg(&op).arg(&sp).arg(&up).arg(&lp).arg(&n_lower);
+        l.arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&n_in);
+        l.arg(&n_out).arg(&tp).arg(&nt).arg(&pp).arg(&stp);
+        // SAFETY: parameters (u32*, u64*, const f32*, const u32*, u32, const f32*, const f32*,
+        // f32, const u8*, u32, u32, u32* or null, u32, u32* or null, u64* or null). As above;
+        // out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); `logit_bounds`
+        // wrote upper and n_lower words of lower; the step's end writes tokens below n_tokens,
+        // one pos and one step.
+        // It may overlap `logit_bounds`: it reads x (final before that one's wait) and norm
+        // before it waits.
+        unsafe { l.run(second, true) }?;
+        Ok(())
+    }
+}

@@ -19,7 +19,7 @@ pub mod model;
 mod sampling;
 
 pub use attention::AttentionScratch;
-pub use decode::StepEnd;
+pub use decode::{BoundedArgmax, StepEnd};
 pub use matmul::GpuMatrix;
 
 /// Threads per block of the row-per-block and row-per-warp kernels.

@@ -16,7 +16,7 @@ use cudarc::driver::{
     PinnedHostSlice,
 };
 
-use super::{AttentionScratch, Device, GpuMatrix, StepEnd};
+use super::{AttentionScratch, BoundedArgmax, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::models::Progress;
@@ -147,6 +147,8 @@ pub struct CudaModel {
     layers: Vec<Layer>,
     output_norm: CudaSlice<f32>,
     output: GpuMatrix,
+    /// Greedy decoding's bounded arg-max over `output`, where it applies (q8_0).
+    bounded: Option<BoundedArgmax>,
     rope: CudaSlice<f32>,
     buf: Buffers,
     /// Tokens in the KV cache.
@@ -239,6 +241,13 @@ impl CudaModel {
         } else {
             "output.weight"
         };
+        let output = matrix(output_name)?;
+        let bounded = match format {
+            WeightFormat::Native => {
+                dev.bounded_argmax(&output, g.tensor_data(g.tensor(output_name)?))?
+            }
+            WeightFormat::F16 => None,
+        };
         let (h, n) = (cfg.hidden, MAX_BATCH);
         let buf = Buffers {
             x: dev.zeros(n * h)?,
@@ -265,7 +274,8 @@ impl CudaModel {
             },
             layers,
             output_norm: f32s("output_norm.weight")?,
-            output: matrix(output_name)?,
+            output,
+            bounded,
             rope: dev.rope_table(max_ctx, cfg.head_dim, cfg.rope_theta)?,
             buf,
             pos: 0,
@@ -287,8 +297,9 @@ impl CudaModel {
         &self.dev
     }
 
-    /// Bytes of weights one decoded token reads: every matrix, norm and bias once, and one
-    /// row of the embedding table.
+    /// Bytes of weights one greedy decoded token reads: every matrix, norm and bias once (of
+    /// the output projection, what the bounded arg-max's first pass reads, where it applies),
+    /// and one row of the embedding table.
     pub fn weight_bytes_per_token(&self) -> u64 {
         let f32s = |v: &CudaSlice<f32>| v.len() * 4;
         let layers: usize = self
@@ -306,7 +317,11 @@ impl CudaModel {
             })
             .sum();
         let embd_row = self.token_embd.bytes() / self.token_embd.rows().max(1);
-        (layers + f32s(&self.output_norm) + self.output.bytes() + embd_row) as u64
+        let output = self
+            .bounded
+            .as_ref()
+            .map_or(self.output.bytes(), BoundedArgmax::first_pass_bytes);
+        (layers + f32s(&self.output_norm) + output + embd_row) as u64
     }
 
     /// Device memory taken since before the model was loaded (it allocates nothing later).
@@ -568,8 +583,8 @@ impl CudaModel {
         }
 
         // Final norm and output projection, then the next token, written to tokens[pos + 1]:
-        // greedy takes the projection's fused arg-max (whose last block ends the step),
-        // sampling reads the logits.
+        // greedy takes the projection's arg-max (bounded where it can be, else fused; its last
+        // block ends the step), sampling reads the logits.
         let mut logits = b.logits.slice_mut(..c.vocab);
         let (out_norm, output) = (&self.output_norm, &self.output);
         let mut next = b.next.slice_mut(out..out + 1);
@@ -579,12 +594,15 @@ impl CudaModel {
                 pos: &mut b.pos,
                 step: &mut b.step,
             };
-            let best = Some((
+            let best = (
                 &mut next as &mut dyn DevicePtrMut<u32>,
                 &mut b.best,
                 Some(end),
-            ));
-            dev.logits(&mut logits, &x, out_norm, eps, output, best)
+            );
+            match &mut self.bounded {
+                Some(bounded) => dev.argmax_bounded(bounded, &x, out_norm, eps, output, best),
+                None => dev.logits(&mut logits, &x, out_norm, eps, output, Some(best)),
+            }
         } else {
             dev.logits(&mut logits, &x, out_norm, eps, output, None)?;
             dev.sample_dev(
@@ -818,7 +836,18 @@ fn check_memory(
     } else {
         0
     };
-    let weights = weights + transient;
+    // The bounded arg-max's fifth bits (a u32 per chunk) and upper bounds, for a q8_0 output.
+    let out = g.tensor(if c.tied_output {
+        "token_embd.weight"
+    } else {
+        "output.weight"
+    })?;
+    let bounded = if format == WeightFormat::Native && BoundedArgmax::applies(out.ty, c.hidden) {
+        BoundedArgmax::bytes(c.vocab, c.hidden) as u64
+    } else {
+        0
+    };
+    let weights = weights + transient + bounded;
     let cache = (2 * c.n_layers * max_ctx * c.kv_dim() * 4) as u64;
     let acts = (MAX_BATCH * (5 * c.hidden + 2 * c.kv_dim() + 2 * c.ffn + c.vocab) * 4
         + max_ctx * 4

@@ -13,7 +13,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::f16;
 use orcd::cpu;
-use orcd::cuda::{Device, GpuMatrix, StepEnd};
+use orcd::cuda::{BoundedArgmax, Device, GpuMatrix, StepEnd};
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
 
@@ -79,6 +79,8 @@ struct Mat {
     data: GpuMatrix,
     w32: Vec<f32>,
     n_in: usize,
+    /// Greedy's bounded arg-max and the file's blocks, where it applies (q8_0).
+    bounded: Option<(BoundedArgmax, Vec<u8>)>,
 }
 
 impl Mat {
@@ -92,7 +94,16 @@ impl Mat {
         } else {
             dev.upload_matrix(ty, bytes, n_in).unwrap()
         };
-        Mat { data, w32, n_in }
+        let bounded = match as_f16 {
+            false => dev.bounded_argmax(&data, bytes).unwrap(),
+            true => None,
+        };
+        Mat {
+            data,
+            w32,
+            n_in,
+            bounded: bounded.map(|b| (b, bytes.to_vec())),
+        }
     }
 
     fn weight(&self) -> &GpuMatrix {
@@ -237,7 +248,7 @@ fn check_residual(dev: &Device, rng: &mut Rng, w: &Mat, bias: Option<&[f32]>, v:
 /// CPU's logits unless the CPU's top two are closer than 1e-3 or than the two logits' error
 /// bounds (`TOL·sum|w·xn|` each; random weights make large logits), printed. Runs twice on
 /// one scratch, which must come back zero.
-fn check_logits(dev: &Device, norm: &[f32], w: &Mat, x: &[f32], what: &str) -> f32 {
+fn check_logits(dev: &Device, norm: &[f32], w: &mut Mat, x: &[f32], what: &str) -> f32 {
     let n_out = w.n_out();
     let mut logits = dev.zeros::<f32>(n_out).unwrap();
     let (xd, nd) = (dev.upload(x).unwrap(), dev.upload(norm).unwrap());
@@ -292,7 +303,78 @@ fn check_logits(dev: &Device, norm: &[f32], w: &Mat, x: &[f32], what: &str) -> f
         got,
         "logits {what}: without arg-max"
     );
+    if w.bounded.is_some() {
+        check_bounded(dev, norm, w, x, &got, &want, &mag, what);
+    }
     worst(&got, &want, &mag)
+}
+
+/// `argmax_bounded` on `w` (q8_0) for the token `x`: it picks `cpu::argmax` of `logits`' own
+/// logits `got` (twice, on one scratch, which must come back zero), and its first pass bounds
+/// them: every upper bound is at least the GPU's logit and matches its twin,
+/// `cpu::logit_bounds`, whose `e ± 3.5·m` holds the CPU's logit `want` (error scale `mag`).
+#[allow(clippy::too_many_arguments)]
+fn check_bounded(
+    dev: &Device,
+    norm: &[f32],
+    w: &mut Mat,
+    x: &[f32],
+    got: &[f32],
+    want: &[f32],
+    mag: &[f32],
+    what: &str,
+) {
+    let (xd, nd) = (dev.upload(x).unwrap(), dev.upload(norm).unwrap());
+    let (b, bytes) = w.bounded.as_mut().unwrap();
+    let mut best = dev.upload(&[12345u32]).unwrap();
+    let mut scratch = dev.logits_scratch().unwrap();
+    for _ in 0..2 {
+        dev.argmax_bounded(b, &xd, &nd, EPS, &w.data, (&mut best, &mut scratch, None))
+            .unwrap();
+        let pick = dev.download(&best).unwrap()[0];
+        assert_eq!(pick, cpu::argmax(got), "argmax_bounded {what}");
+        assert_eq!(
+            dev.download(&scratch).unwrap(),
+            [0, 0],
+            "argmax_bounded {what}: scratch"
+        );
+    }
+    let upper = b.upper_bounds(dev).unwrap();
+    let twin = cpu::logit_bounds(bytes, &rms_norm(x, norm));
+    // The threshold of the second pass, as the twin puts it.
+    let t = twin
+        .iter()
+        .map(|(e, m)| e - (3.5 + 1.0 / 256.0) * m)
+        .fold(f64::NEG_INFINITY, f64::max);
+    let (mut candidates, mut widest) = (0, f64::NEG_INFINITY);
+    for (r, (&(e, m), &u)) in twin.iter().zip(&upper).enumerate() {
+        assert!(
+            u >= got[r],
+            "argmax_bounded {what}: row {r}: bound {u} < logit {}",
+            got[r]
+        );
+        // The kernel widens 3.5 by 1/256; its sums round at a few 2^-24 of 256·m.
+        let (lo, hi) = (
+            e + 3.5 * m - 1e-3 * m,
+            e + (3.5 + 1.0 / 256.0) * m + 1e-3 * m,
+        );
+        assert!(
+            (lo..=hi).contains(&f64::from(u)),
+            "argmax_bounded {what}: row {r}: bound {u}, twin's {lo}..{hi}"
+        );
+        let err = (f64::from(want[r]) - e).abs() - 3.5 * m;
+        assert!(
+            err <= f64::from(TOL * mag[r]),
+            "cpu::logit_bounds {what}: row {r}: logit {} outside {e} ± 3.5·{m}",
+            want[r]
+        );
+        candidates += usize::from(f64::from(u) >= t);
+        widest = widest.max((f64::from(u) - e) / m - 3.5);
+    }
+    println!(
+        "argmax_bounded {what}: {candidates} rows computed exactly; upper bounds at most \
+         e + (3.5 + {widest:.4})·m"
+    );
 }
 
 /// A token's input: random, in ±3 (RMSNorm rescales it anyway).
@@ -430,7 +512,7 @@ fn logits_matches_cpu() {
     let mut cases = vec![(Q8_0, 896, 151936), (F16, 896, 151936)];
     cases.extend(TYPES.map(|ty| (ty, 256, 1001)));
     for (ty, n_in, n_out) in cases {
-        let w = Mat::new(
+        let mut w = Mat::new(
             &dev,
             ty,
             &random_weights(&mut rng, ty, n_out, n_in),
@@ -438,7 +520,7 @@ fn logits_matches_cpu() {
             false,
         );
         let what = format!("{} {n_out}x{n_in}", ty.name());
-        let err = check_logits(&dev, &rng.vec(n_in), &w, &token(&mut rng, n_in), &what);
+        let err = check_logits(&dev, &rng.vec(n_in), &mut w, &token(&mut rng, n_in), &what);
         println!("logits {what}: max err / sum|w*xn| = {err:.2e}");
         assert!(err < TOL, "logits {what}: {err}");
     }
@@ -539,6 +621,104 @@ fn logits_argmax_ties_nan_and_infinities() {
     }
 }
 
+/// `argmax_bounded`'s rules, as `logits`' fused arg-max has them, on q8_0 rows of one block
+/// chosen through their scale `d` and first quant (`x = e_0`, a norm of ones: `logits[r] =
+/// d·q·sqrt(32)`): ties go to the first index, across blocks too; NaN never wins, all NaN
+/// gives `u32::MAX` (token 0 at a step's end); an infinite scale gives NaN (`inf·0` in the
+/// chunk's other half) and does not win either. And the end of a greedy decode step.
+#[test]
+fn argmax_bounded_ties_nan_and_step_end() {
+    let Some(dev) = gpu() else { return };
+    let (n_in, n) = (32, 3000);
+    let mut x = vec![0.0f32; n_in];
+    x[0] = 1.0;
+    let (xd, nd) = (
+        dev.upload(&x).unwrap(),
+        dev.upload(&vec![1.0f32; n_in]).unwrap(),
+    );
+    let rows = |fill: (f32, i8), set: &[(usize, (f32, i8))]| {
+        let mut r = vec![fill; n];
+        for &(i, v) in set {
+            r[i] = v;
+        }
+        r.iter()
+            .flat_map(|&(d, q)| {
+                let mut b = [0u8; 34];
+                b[..2].copy_from_slice(&f16::from_f32(d).to_le_bytes());
+                b[2] = q as u8;
+                b
+            })
+            .collect::<Vec<u8>>()
+    };
+    let cases = [
+        (
+            rows(
+                (1.0, 0),
+                &[(2990, (1.0, 100)), (1700, (2.0, 50)), (2500, (1.0, 100))],
+            ),
+            1700,
+        ),
+        (rows((f32::NAN, 1), &[]), u32::MAX),
+        (
+            rows((1.0, -5), &[(0, (f32::NAN, 1)), (2998, (f32::INFINITY, 1))]),
+            1,
+        ),
+        (rows((1.0, 0), &[(1500, (-1.0, 3))]), 0),
+    ];
+    for (bytes, want) in cases {
+        let mut m = Mat::new(&dev, GgmlType::Q8_0, &bytes, n_in, false);
+        let (b, _) = m.bounded.as_mut().unwrap();
+        let mut scratch = dev.logits_scratch().unwrap();
+        let token = if want == u32::MAX { 0 } else { want };
+        let mut best = dev.zeros::<u32>(1).unwrap();
+        dev.argmax_bounded(b, &xd, &nd, EPS, &m.data, (&mut best, &mut scratch, None))
+            .unwrap();
+        assert_eq!(dev.download(&best).unwrap(), [want], "arg-max, case {want}");
+        let mut fused = dev.zeros::<u32>(1).unwrap();
+        let mut logits = dev.zeros::<f32>(n).unwrap();
+        let argmax = Some((&mut fused as &mut dyn DevicePtrMut<u32>, &mut scratch, None));
+        dev.logits(&mut logits, &xd, &nd, EPS, &m.data, argmax)
+            .unwrap();
+        assert_eq!(
+            dev.download(&fused).unwrap(),
+            [want],
+            "logits' arg-max, case {want}"
+        );
+        for p0 in [3u32, 7] {
+            let mut tokens = dev.upload(&[9u32; 8]).unwrap();
+            let (mut pos, mut step) = (dev.upload(&[p0]).unwrap(), dev.upload(&[41u64]).unwrap());
+            let end = StepEnd {
+                tokens: &mut tokens,
+                pos: &mut pos,
+                step: &mut step,
+            };
+            dev.argmax_bounded(
+                b,
+                &xd,
+                &nd,
+                EPS,
+                &m.data,
+                (&mut best, &mut scratch, Some(end)),
+            )
+            .unwrap();
+            let mut want_tokens = [9u32; 8];
+            if p0 < 7 {
+                want_tokens[p0 as usize + 1] = token;
+            }
+            let what = format!("case {want}, step end at {p0}");
+            assert_eq!(dev.download(&best).unwrap(), [token], "{what}: out");
+            assert_eq!(
+                dev.download(&tokens).unwrap(),
+                want_tokens,
+                "{what}: tokens"
+            );
+            assert_eq!(dev.download(&pos).unwrap(), [p0 + 1], "{what}: pos");
+            assert_eq!(dev.download(&step).unwrap(), [42], "{what}: step");
+            assert_eq!(dev.download(&scratch).unwrap(), [0, 0], "{what}: scratch");
+        }
+    }
+}
+
 /// Row `id` of the real model's token embedding.
 fn embedding(g: &orcd::gguf::Gguf, id: usize) -> Vec<f32> {
     let t = g.tensor("token_embd.weight").unwrap();
@@ -625,11 +805,11 @@ fn logits_on_real_output() {
     let nt = g.tensor("output_norm.weight").unwrap();
     let norm = quant::dequantize_to_vec(nt.ty, g.tensor_data(nt)).unwrap();
     for as_f16 in [false, true] {
-        let w = Mat::new(&dev, t.ty, g.tensor_data(t), n_in, as_f16);
+        let mut w = Mat::new(&dev, t.ty, g.tensor_data(t), n_in, as_f16);
         let xs = [embedding(g, 9707), embedding(g, 198), token(&mut rng, n_in)];
         for (i, x) in xs.iter().enumerate() {
             let what = format!("output.weight {} x{i}", w.name());
-            let err = check_logits(&dev, &norm, &w, x, &what);
+            let err = check_logits(&dev, &norm, &mut w, x, &what);
             println!("logits {what}: max err / sum|w*xn| = {err:.2e}");
             assert!(err < TOL, "logits {what}: {err}");
         }
@@ -683,6 +863,36 @@ fn decode_kernels_refuse_bad_shapes() {
         msg(dev.logits(&mut one, &long, &long, EPS, &wl, None)),
         "logits: rows of 32800 are longer than the kernel's 32768"
     );
+    // The bounded arg-max: for q8_0 only, and on the matrix it was made for.
+    let bytes8 = vec![0u8; GgmlType::Q8_0.row_bytes(n_in).unwrap() * n_out];
+    assert!(dev.bounded_argmax(&w16, &bytes8).unwrap().is_none());
+    let mut b = dev.bounded_argmax(&q8, &bytes8).unwrap().unwrap();
+    let (mut best, mut scratch) = (dev.zeros::<u32>(1).unwrap(), dev.logits_scratch().unwrap());
+    let q8_6 = zeros(GgmlType::Q8_0, 6, n_in);
+    assert_eq!(
+        msg(dev.argmax_bounded(
+            &mut b,
+            &x,
+            &norm,
+            EPS,
+            &q8_6,
+            (&mut best, &mut scratch, None)
+        )),
+        "argmax_bounded: matrix, bounds, best, scratch and step do not match"
+    );
+    assert!(
+        dev.argmax_bounded(
+            &mut b,
+            &x60,
+            &norm,
+            EPS,
+            &q8,
+            (&mut best, &mut scratch, None)
+        )
+        .is_err()
+    );
+    dev.argmax_bounded(&mut b, &x, &norm, EPS, &q8, (&mut best, &mut scratch, None))
+        .unwrap();
     // attn_qkv: an odd head_dim, caches that are not whole rows.
     let (mut q, mut kc, mut vc) = (
         dev.zeros::<f32>(2 * 6).unwrap(),
