@@ -13,6 +13,7 @@
 use cudarc::driver::{CudaSlice, DevicePtrMut};
 use half::f16;
 use orcd::cpu;
+use orcd::cuda::decode::Argmax;
 use orcd::cuda::{BoundedArgmax, Device, GpuMatrix, StepEnd};
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
@@ -589,36 +590,48 @@ fn logits_argmax_ties_nan_and_infinities() {
         // advance.
         let token = if want == u32::MAX { 0 } else { want };
         for p0 in [3u32, 7] {
-            let mut tokens = dev.upload(&[9u32; 8]).unwrap();
-            let (mut pos, mut step) = (dev.upload(&[p0]).unwrap(), dev.upload(&[41u64]).unwrap());
-            let end = StepEnd {
-                tokens: &mut tokens,
-                pos: &mut pos,
-                step: &mut step,
-            };
-            let best_end = Some((
-                &mut best as &mut dyn DevicePtrMut<u32>,
-                &mut scratch,
-                Some(end),
-            ));
-            dev.logits(&mut logits, &xd, &nd, EPS, m.weight(), best_end)
-                .unwrap();
-            let mut want_tokens = [9u32; 8];
-            if p0 < 7 {
-                want_tokens[p0 as usize + 1] = token;
-            }
-            let what = format!("step end at {p0} after {:?}..", &first[..4]);
-            assert_eq!(dev.download(&best).unwrap(), [token], "{what}: out");
-            assert_eq!(
-                dev.download(&tokens).unwrap(),
-                want_tokens,
-                "{what}: tokens"
-            );
-            assert_eq!(dev.download(&pos).unwrap(), [p0 + 1], "{what}: pos");
-            assert_eq!(dev.download(&step).unwrap(), [42], "{what}: step");
-            assert_eq!(dev.download(&scratch).unwrap(), [0, 0], "{what}: scratch");
+            let what = format!("after {:?}..", &first[..4]);
+            check_step_end(&dev, (&mut best, &mut scratch), (p0, token), &what, |a| {
+                dev.logits(&mut logits, &xd, &nd, EPS, m.weight(), Some(a))
+                    .unwrap()
+            });
         }
     }
+}
+
+/// The end of a greedy decode step at position `p0` of 8 tokens, which `end_step` launches with
+/// the arg-max's output `best`, `scratch` and the `StepEnd` it gets: `token` goes to `best` and
+/// to `tokens[p0 + 1]` (none past the end), `pos` and `step` advance by one, the scratch is
+/// zero again.
+fn check_step_end(
+    dev: &Device,
+    (best, scratch): (&mut CudaSlice<u32>, &mut CudaSlice<u64>),
+    (p0, token): (u32, u32),
+    what: &str,
+    end_step: impl FnOnce(Argmax<'_>),
+) {
+    let mut tokens = dev.upload(&[9u32; 8]).unwrap();
+    let (mut pos, mut step) = (dev.upload(&[p0]).unwrap(), dev.upload(&[41u64]).unwrap());
+    let end = StepEnd {
+        tokens: &mut tokens,
+        pos: &mut pos,
+        step: &mut step,
+    };
+    end_step((best, scratch, Some(end)));
+    let mut want_tokens = [9u32; 8];
+    if p0 < 7 {
+        want_tokens[p0 as usize + 1] = token;
+    }
+    let what = format!("{what}, step end at {p0}");
+    assert_eq!(dev.download(best).unwrap(), [token], "{what}: out");
+    assert_eq!(
+        dev.download(&tokens).unwrap(),
+        want_tokens,
+        "{what}: tokens"
+    );
+    assert_eq!(dev.download(&pos).unwrap(), [p0 + 1], "{what}: pos");
+    assert_eq!(dev.download(&step).unwrap(), [42], "{what}: step");
+    assert_eq!(dev.download(scratch).unwrap(), [0, 0], "{what}: scratch");
 }
 
 /// `argmax_bounded`'s rules, as `logits`' fused arg-max has them, on q8_0 rows of one block
@@ -685,36 +698,10 @@ fn argmax_bounded_ties_nan_and_step_end() {
             "logits' arg-max, case {want}"
         );
         for p0 in [3u32, 7] {
-            let mut tokens = dev.upload(&[9u32; 8]).unwrap();
-            let (mut pos, mut step) = (dev.upload(&[p0]).unwrap(), dev.upload(&[41u64]).unwrap());
-            let end = StepEnd {
-                tokens: &mut tokens,
-                pos: &mut pos,
-                step: &mut step,
-            };
-            dev.argmax_bounded(
-                b,
-                &xd,
-                &nd,
-                EPS,
-                &m.data,
-                (&mut best, &mut scratch, Some(end)),
-            )
-            .unwrap();
-            let mut want_tokens = [9u32; 8];
-            if p0 < 7 {
-                want_tokens[p0 as usize + 1] = token;
-            }
-            let what = format!("case {want}, step end at {p0}");
-            assert_eq!(dev.download(&best).unwrap(), [token], "{what}: out");
-            assert_eq!(
-                dev.download(&tokens).unwrap(),
-                want_tokens,
-                "{what}: tokens"
-            );
-            assert_eq!(dev.download(&pos).unwrap(), [p0 + 1], "{what}: pos");
-            assert_eq!(dev.download(&step).unwrap(), [42], "{what}: step");
-            assert_eq!(dev.download(&scratch).unwrap(), [0, 0], "{what}: scratch");
+            let what = format!("case {want}");
+            check_step_end(&dev, (&mut best, &mut scratch), (p0, token), &what, |a| {
+                dev.argmax_bounded(b, &xd, &nd, EPS, &m.data, a).unwrap()
+            });
         }
     }
 }
