@@ -7,12 +7,13 @@
 //! - `ffn_gate_up`: RMSNorm and SwiGLU's `silu(w_gate·x)·(w_up·x)`;
 //! - `gemv_residual`: `y += w·v + bias`, the attention output and FFN down projections;
 //! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max;
-//! - `logit_bounds` and `argmax_bounded`: greedy decoding's arg-max of a q8_0 vocabulary
-//!   projection in two passes, the first bounding every logit from the top five bits of its
-//!   quants (22 of each chunk's 34 bytes), the second computing only the rows that can win.
+//! - `logit_bounds` and `argmax_bounded` (`_packed` for q8_0, `_f16`): greedy decoding's arg-max
+//!   of a vocabulary projection in two passes, the first bounding every logit from the top bits
+//!   of its weights (q8_0: 22 of each chunk's 34 bytes; f16: the high bytes), the second
+//!   computing only the rows that can win.
 //!
 //! CPU twins: the compositions of `orcd::cpu::{rms_norm, matmul, rope_neox, silu_mul, add,
-//! argmax}` the forward pass runs, and `orcd::cpu::logit_bounds`.
+//! argmax}` the forward pass runs, and `orcd::cpu::{logit_bounds_q8_0, logit_bounds_f16}`.
 //!
 //! An RMSNorm ahead of a GEMV is no pass of its own: `w·(x·s ∘ g) = s·(w·(x ∘ g))`, so the
 //! block stages `x ∘ g` in shared memory (`matmul::stage`) and sums `x²` from the same loads,
@@ -32,13 +33,13 @@ use core::intrinsics::sqrtf32;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::attention::ONE_TILE_KEYS;
-use crate::matmul::{Held, Weights, family, gemv_units, lane_chunk, stage, with_weights};
-use crate::quant::{Packed, Q8_0, RADIUS, TopChunk};
+use crate::matmul::{Held, Plain, Weights, family, gemv_units, lane_chunk, stage, with_weights};
+use crate::quant::{Packed, Q8_0, RADIUS, TopChunk, U32x4, prmt};
 use crate::sampling::end_step;
 use crate::util::{
     WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp,
-    from_lane, grid_dim, load_early, prefetch_l2, shared, sync_threads, thread, wait_prior_grids,
-    warp_max_u32, warp_sum,
+    fma, from_lane, grid_dim, load_early, load_streaming, prefetch_l2, shared, sync_threads,
+    thread, wait_prior_grids, warp_max_u32, warp_sum,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block,
@@ -436,35 +437,137 @@ fn key_bound(k: u32) -> f32 {
     }
 }
 
-/// How far [`logit_bounds`] widens `RADIUS`: past the float roundings of the estimate and of
-/// `logits`' own sums (each a few 2^-24 of at most 256·|d|·Σ|x| per chunk: under 2^-11 of
-/// `|d|·Σ|x|` in all).
+/// How far the first pass widens its radius: past the float roundings of its estimate and of
+/// `logits`' own sums (each a few 2^-24 of what the radius is a share of: under 2^-11 of it).
 const SLACK: f32 = 1.0 / 256.0;
 
-/// Greedy decoding's first pass over a q8_0 vocabulary projection, reading 22 of each chunk's
-/// 34 bytes: for every row `r`, `upper[r]` >= `logits[r]` as `logits` computes it (`xn =
-/// rms_norm(x)·norm`, `n_in` <= 1024 long), and `lower[block]` = the [`bound_key`] of the
-/// largest lower bound over the block's rows (0 for none), from the top five bits of each quant
-/// (`quant::Packed::bound`: the logit within `s·(e ± (RADIUS + SLACK)·m)`). Only rows whose
-/// upper bound reaches the largest lower bound can be the arg-max: [`argmax_bounded`] computes
-/// those exactly. `fifth` is the matrix's fifth-bit plane (`orcd::pack::fifth_bits`).
-/// Units are four rows, one warp each; shared: as `matmul::stage` says, for one warp per unit.
-/// Grid: any number of blocks (they stride over the units), `lower` holds one word per block;
-/// block: a multiple of 32 threads (at most 32 warps).
-#[unsafe(no_mangle)]
+/// What greedy decoding's first pass reads of a vocabulary projection, the top bits of its
+/// weights, and what it makes of them: a chunk's product with `x` as an estimate and a radius
+/// that holds the exact product, float roundings included.
+pub(crate) trait Sketch {
+    /// The matrix's own format, which the second pass computes exactly.
+    type W: Weights;
+    /// A lane's chunk of the top bits.
+    type Top: Copy;
+    /// The `[rows, n_in]` matrix at `w` and its plane of top bits at `plane`.
+    fn new(w: *const u8, plane: *const u8, rows: u32, n_in: u32) -> Self;
+    /// Chunk `c` of `row`, read once.
+    unsafe fn top(&self, row: usize, c: u32) -> Self::Top;
+    /// `(estimate, radius)` of the chunk's product with the lane's `x` (`x_abs` = its `Σ|x|`,
+    /// unscaled).
+    fn bound(top: &Self::Top, x: &Held, x_abs: f32) -> (f32, f32);
+}
+
+/// A q8_0 matrix and its fifth-bit plane (`orcd::pack::fifth_bits`): 22 of each chunk's 34
+/// bytes, the quants' top five bits (`quant::Packed::bound`).
+pub(crate) struct Q8Sketch {
+    w: Packed<Q8_0>,
+    fifth: *const u32,
+}
+
+impl Sketch for Q8Sketch {
+    type W = Packed<Q8_0>;
+    type Top = TopChunk;
+
+    #[inline(always)]
+    fn new(w: *const u8, plane: *const u8, rows: u32, n_in: u32) -> Self {
+        Q8Sketch {
+            w: Packed::new(w, rows, n_in),
+            fifth: plane as *const u32,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn top(&self, row: usize, c: u32) -> TopChunk {
+        unsafe { self.w.top_chunk(self.fifth, row, c) }
+    }
+
+    #[inline(always)]
+    fn bound(top: &TopChunk, x: &Held, x_abs: f32) -> (f32, f32) {
+        let (e, m) = Packed::<Q8_0>::bound(top, x, x_abs);
+        (e, (RADIUS + SLACK) * m)
+    }
+}
+
+/// An f16 matrix and the plane of its weights' high bytes (sign, exponent, the top 2 mantissa
+/// bits; `quant::high_bytes`): half its bytes. A weight `w` whose high byte reads `t` lies in
+/// `[t, t + 2^(E-17))` by magnitude (E its exponent, 1 for subnormals), so `1.125·t` is within
+/// `0.125·|t| + 2^-16` of it.
+pub(crate) struct F16Sketch {
+    top: *const u8,
+    n_in: usize,
+}
+
+impl Sketch for F16Sketch {
+    type W = Plain<f16>;
+    type Top = [u32; 8];
+
+    #[inline(always)]
+    fn new(_w: *const u8, plane: *const u8, _rows: u32, n_in: u32) -> Self {
+        F16Sketch {
+            top: plane,
+            n_in: n_in as usize,
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn top(&self, row: usize, c: u32) -> [u32; 8] {
+        let p = self.top.wrapping_add(row * self.n_in + 32 * c as usize) as *const U32x4;
+        let (a, b) = unsafe { (load_streaming(p).0, load_streaming(p.add(1)).0) };
+        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+    }
+
+    #[inline(always)]
+    fn bound(top: &[u32; 8], x: &Held, x_abs: f32) -> (f32, f32) {
+        let (mut e, mut m) = ([0.0f32; 2], [0.0f32; 2]);
+        // Word `q`: its bytes 0 and 1, 2 and 3 as the high bytes of two halves each.
+        let mut word = |q: usize| {
+            let (lo, hi) = (prmt(top[q], 0, 0x1404), prmt(top[q], 0, 0x3424));
+            let t = [lo as u16, (lo >> 16) as u16, hi as u16, (hi >> 16) as u16];
+            for k in 0..4 {
+                let (t, v) = (f16::from_bits(t[k]) as f32, x.x[4 * q + k]);
+                e[k % 2] = fma(t, v, e[k % 2]);
+                m[k % 2] = fma(t.abs(), v.abs(), m[k % 2]);
+            }
+        };
+        // Written out: a loop over the words would keep `x` in local memory.
+        word(0);
+        word(1);
+        word(2);
+        word(3);
+        word(4);
+        word(5);
+        word(6);
+        word(7);
+        (
+            1.125 * (e[0] + e[1]),
+            (0.125 + SLACK) * (m[0] + m[1]) + x_abs / 65536.0,
+        )
+    }
+}
+
+/// Greedy decoding's first pass over a vocabulary projection of sketch `S`: for every row `r`,
+/// `upper[r]` >= `logits[r]` as `logits` computes it (`xn = rms_norm(x)·norm`, `n_in` <= 1024
+/// long), and `lower[block]` = the [`bound_key`] of the largest lower bound over the block's rows
+/// (0 for none), each `s·(estimate ± radius)` from `S::bound`. Only rows whose upper bound
+/// reaches the largest lower bound can be the arg-max: [`argmax_bounded`] computes those
+/// exactly. Units are four rows, one warp each; shared: as `matmul::stage` says, for one warp
+/// per unit. Grid: any number of blocks (they stride over the units), `lower` holds one word
+/// per block; block: a multiple of 32 threads (at most 32 warps).
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn logit_bounds(
+#[inline(always)]
+unsafe fn logit_bounds<S: Sketch>(
     upper: *mut f32,
     lower: *mut u32,
     x: *const f32,
     norm: *const f32,
     eps: f32,
     w: *const u8,
-    fifth: *const u32,
+    plane: *const u8,
     n_in: u32,
     n_out: u32,
 ) {
-    let w = Packed::<Q8_0>::new(w, n_out, n_in);
+    let w = S::new(w, plane, n_out, n_in);
     let n_chunks = n_in / 32;
     let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
     let (live, c) = (lane < n_chunks, lane_chunk(1, n_chunks));
@@ -472,35 +575,35 @@ pub unsafe extern "gpu-kernel" fn logit_bounds(
     let row = |u: u32, k: u32| (4 * u.min(units - 1) + k).min(n_out - 1);
     // Units past the end load the last one again, so that every load is unconditional. Four
     // rows a warp: what a warp has in flight is what keeps this pass near the DRAM's pace
-    // (H100: two rows a warp, 80 registers and 3 blocks an SM, decode 2,190 tok/s; four, 127
-    // and 2, 2,215).
+    // (H100, q8_0: two rows a warp, 80 registers and 3 blocks an SM, decode 2,190 tok/s; four,
+    // 127 and 2, 2,215; f16, four rows take 148 registers, 1 block an SM: 1,675, and capped at
+    // 128, spilling, 1,659).
     let load = |u: u32| unsafe {
         (
-            w.top_chunk(fifth, row(u, 0) as usize, c),
-            w.top_chunk(fifth, row(u, 1) as usize, c),
-            w.top_chunk(fifth, row(u, 2) as usize, c),
-            w.top_chunk(fifth, row(u, 3) as usize, c),
+            w.top(row(u, 0) as usize, c),
+            w.top(row(u, 1) as usize, c),
+            w.top(row(u, 2) as usize, c),
+            w.top(row(u, 3) as usize, c),
         )
     };
     let mut u = block() * warps + warp;
     let mut chunks = load(u);
     wait_prior_grids();
     allow_next_grid();
-    let (xs, s) = held_norm::<Packed<Q8_0>>(x, norm, n_in, eps, 1);
+    let (xs, s) = held_norm::<S::W>(x, norm, n_in, eps, 1);
     let mut x_abs = 0.0;
     for i in 0..32 {
         x_abs += xs.x[i].abs();
     }
-    let x_abs = x_abs / <Packed<Q8_0> as Weights>::X_SCALE;
-    let radius = RADIUS + SLACK;
+    let x_abs = x_abs / S::W::X_SCALE;
     let mut most = 0u32;
     while u < units {
         let next = load(u + stride);
         // The row's (upper, lower) bound.
-        let bound = |ch: &TopChunk| {
-            let (e, m) = Packed::<Q8_0>::bound(ch, &xs, x_abs);
-            let (e, m) = (warp_sum(if live { e } else { 0.0 }), warp_sum(if live { m } else { 0.0 }));
-            (s * (e + radius * m), s * (e - radius * m))
+        let bound = |top: &S::Top| {
+            let (e, r) = S::bound(top, &xs, x_abs);
+            let (e, r) = (warp_sum(if live { e } else { 0.0 }), warp_sum(if live { r } else { 0.0 }));
+            (s * (e + r), s * (e - r))
         };
         let (b0, b1, b2, b3) = (
             bound(&chunks.0),
@@ -542,9 +645,9 @@ pub unsafe extern "gpu-kernel" fn logit_bounds(
 /// (`grid_argmax`, `scratch` its 2 u64, zero). Each block takes a contiguous share of the rows,
 /// each warp 256 at a time. Grid: any; block: a multiple of 32 threads (at most 32 warps);
 /// shared: as `matmul::stage` says, for one warp per unit.
-#[unsafe(no_mangle)]
 #[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn argmax_bounded(
+#[inline(always)]
+unsafe fn argmax_bounded<W: Weights>(
     best: *mut u32,
     scratch: *mut u64,
     upper: *const f32,
@@ -561,12 +664,12 @@ pub unsafe extern "gpu-kernel" fn argmax_bounded(
     pos: *mut u32,
     step: *mut u64,
 ) {
-    let w = Packed::<Q8_0>::new(w, n_out, n_in);
+    let w = W::new(w, n_out, n_in);
     let n_chunks = n_in / 32;
     let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
     let (live, c) = (lane < n_chunks, lane_chunk(1, n_chunks));
     // `x` is final before the grid before this one passed its wait (see `wait_prior_grids`).
-    let (xs, s) = held_norm::<Packed<Q8_0>>(x, norm, n_in, eps, 1);
+    let (xs, s) = held_norm::<W>(x, norm, n_in, eps, 1);
     wait_prior_grids();
     allow_next_grid();
     // Loads in batches of `BATCH` a lane, all in flight at once: a loop of one load at a
@@ -609,7 +712,7 @@ pub unsafe extern "gpu-kernel" fn argmax_bounded(
             }
             let ch = unsafe { w.load_chunk::<true>(r as usize, c) };
             // As `gemv_units` and `logits` compute it, bit for bit.
-            let v = warp_sum(if live { Packed::<Q8_0>::dot(&ch, &xs) } else { 0.0 }) * s;
+            let v = warp_sum(if live { W::dot(&ch, &xs) } else { 0.0 }) * s;
             if better(v, r, bv, bi) {
                 (bv, bi) = (v, r);
             }
@@ -617,6 +720,42 @@ pub unsafe extern "gpu-kernel" fn argmax_bounded(
         first += WARP * BATCH * warps;
     }
     grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
+}
+
+
+/// The entry points of the bounded arg-max's two passes: `<pass>_packed` for q8_0 (the only
+/// packed type it serves), `<pass>_f16` for f16.
+macro_rules! bounded_kernels {
+    ($($sketch:ty => $bounds:ident, $argmax:ident;)*) => {$(
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $bounds(
+            upper: *mut f32, lower: *mut u32, x: *const f32, norm: *const f32, eps: f32,
+            w: *const u8, plane: *const u8, n_in: u32, n_out: u32,
+        ) {
+            unsafe { logit_bounds::<$sketch>(upper, lower, x, norm, eps, w, plane, n_in, n_out) }
+        }
+
+        #[unsafe(no_mangle)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe extern "gpu-kernel" fn $argmax(
+            best: *mut u32, scratch: *mut u64, upper: *const f32, lower: *const u32,
+            n_lower: u32, x: *const f32, norm: *const f32, eps: f32, w: *const u8, n_in: u32,
+            n_out: u32, tokens: *mut u32, n_tokens: u32, pos: *mut u32, step: *mut u64,
+        ) {
+            unsafe {
+                argmax_bounded::<<$sketch as Sketch>::W>(
+                    best, scratch, upper, lower, n_lower, x, norm, eps, w, n_in, n_out, tokens,
+                    n_tokens, pos, step,
+                )
+            }
+        }
+    )*};
+}
+
+bounded_kernels! {
+    Q8Sketch => logit_bounds_packed, argmax_bounded_packed;
+    F16Sketch => logit_bounds_f16, argmax_bounded_f16;
 }
 
 /// The entry points of a decode kernel `$body`, one per weight family (`matmul::family`): the

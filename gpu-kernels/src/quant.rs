@@ -39,7 +39,7 @@ const MAGIC_BITS: u32 = 0x4b00_0000;
 /// `prmt.b32`: byte `i` of the result is byte `sel`'s nibble `i` of the pair (`b`, `a`): bytes
 /// 0-3 are `a`'s, 4-7 `b`'s.
 #[inline(always)]
-fn prmt(a: u32, b: u32, sel: u32) -> u32 {
+pub(crate) fn prmt(a: u32, b: u32, sel: u32) -> u32 {
     let r: u32;
     unsafe {
         core::arch::asm!("prmt.b32 {0}, {1}, {2}, {3};", out(reg32) r, in(reg32) a, in(reg32) b,
@@ -167,7 +167,7 @@ pub struct Chunk {
 
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
-struct U32x4([u32; 4]);
+pub(crate) struct U32x4(pub(crate) [u32; 4]);
 
 /// A `[rows, n_in]` matrix of packing `P` at `w` (16-byte aligned): its sections' addresses as
 /// `orcd::pack::layout` places them.
@@ -387,6 +387,20 @@ impl Packed<Q8_0> {
         let d = f16_to_f32(ch.sc as u16);
         let zero = Q8_0::ZERO as f32 - RADIUS;
         (d * (8.0 * t - zero * (x.sum[0] + x.sum[1])), d.abs() * x_abs)
+    }
+}
+
+/// `out[i]` = the high byte of the f16 `w[i]` (sign, exponent, top 2 mantissa bits), for `i <
+/// n`: the plane greedy decoding's first pass reads of an f16 vocabulary projection
+/// (`decode::F16Sketch`). Grid: any (blocks stride over the elements); block: any size.
+/// Twin: `w >> 8` (`orcd::cpu::logit_bounds_f16` takes the high bytes so).
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn high_bytes(out: *mut u8, w: *const u16, n: u32) {
+    let stride = grid_dim() * block_dim();
+    let mut i = block() * block_dim() + thread();
+    while i < n {
+        unsafe { *out.add(i as usize) = (*w.add(i as usize) >> 8) as u8 };
+        i += stride;
     }
 }
 

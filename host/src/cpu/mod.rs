@@ -30,11 +30,11 @@ pub fn argmax(x: &[f32]) -> u32 {
     bi
 }
 
-/// Twin of the greedy arg-max's first pass (`logit_bounds`): for each row of the q8_0 matrix
-/// `w` (the file's blocks, rows of `xn.len()`), `(e, m)` such that its logit `w[r]·xn` lies
-/// within `e ± 3.5·m`: `e` takes the low 3 bits of each quant `q + 128` as 3.5, the middle of
-/// 0..=7, and `m = Σ|d|·Σ|xn|` over the row's blocks. In f64.
-pub fn logit_bounds(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
+/// Twin of the greedy arg-max's first pass over a q8_0 matrix (`logit_bounds_packed`): for
+/// each row of `w` (the file's blocks, rows of `xn.len()`), `(e, r)` such that its logit
+/// `w[r]·xn` lies within `e ± r`: `e` takes the low 3 bits of each quant `q + 128` as 3.5, the
+/// middle of 0..=7, and `r = 3.5·Σ|d|·Σ|xn|` over the row's blocks. In f64.
+pub fn logit_bounds_q8_0(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
     let row_bytes = xn.len() / 32 * 34;
     w.par_chunks(row_bytes)
         .map(|row| {
@@ -50,7 +50,27 @@ pub fn logit_bounds(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
                 e += d * s;
                 m += d.abs() * a;
             }
-            (e, m)
+            (e, 3.5 * m)
+        })
+        .collect()
+}
+
+/// Twin of the greedy arg-max's first pass over an f16 matrix (`logit_bounds_f16`): for each
+/// row of `w` (rows of `xn.len()`), `(e, r)` such that its logit `w[r]·xn` lies within `e ± r`,
+/// from the high byte `t` of each weight alone (sign, exponent, 2 mantissa bits; the weight lies
+/// in `[t, t + 2^(E-17))` by magnitude, E its exponent or 1 for subnormals): `e = Σ 1.125·t·xn`
+/// and `r = Σ (0.125·|t| + 2^-16)·|xn|`. In f64.
+pub fn logit_bounds_f16(w: &[f16], xn: &[f32]) -> Vec<(f64, f64)> {
+    w.par_chunks(xn.len())
+        .map(|row| {
+            let (mut e, mut r) = (0.0, 0.0);
+            for (w, x) in row.iter().zip(xn) {
+                let t = f64::from(f16::from_bits(w.to_bits() & 0xff00).to_f32());
+                let x = f64::from(*x);
+                e += 1.125 * t * x;
+                r += (0.125 * t.abs() + 1.0 / 65536.0) * x.abs();
+            }
+            (e, r)
         })
         .collect()
 }
@@ -216,7 +236,7 @@ fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
 mod tests {
     use super::*;
 
-    /// `logit_bounds` holds each row's logit within `e ± 3.5·m`, reached when every low 3 bits
+    /// `logit_bounds_q8_0` holds each row's logit within `e ± r`, reached when every low 3 bits
     /// are 0 (or 7) and `d·x` has one sign.
     #[test]
     fn logit_bounds_hold_the_logits() {
@@ -243,20 +263,34 @@ mod tests {
         let x: Vec<f32> = (0..n_in).map(|_| (next() % 2000) as f32 / 1000.0).collect();
         let mut dq = vec![0.0; rows * n_in];
         crate::quant::dequantize(crate::quant::GgmlType::Q8_0, &w, &mut dq).unwrap();
-        for (r, (e, m)) in logit_bounds(&w, &x).into_iter().enumerate() {
-            let exact: f64 = dq[r * n_in..(r + 1) * n_in]
-                .iter()
+        let exact = |w: &[f32]| -> f64 {
+            w.iter()
                 .zip(&x)
                 .map(|(w, x)| f64::from(*w) * f64::from(*x))
-                .sum();
-            let off = (exact - e).abs();
+                .sum()
+        };
+        for (r, (e, b)) in logit_bounds_q8_0(&w, &x).into_iter().enumerate() {
+            let off = (exact(&dq[r * n_in..(r + 1) * n_in]) - e).abs();
             assert!(
-                off <= 3.5 * m * (1.0 + 1e-9),
-                "row {r}: {exact} vs {e} ± 3.5·{m}"
+                off <= b * (1.0 + 1e-9),
+                "q8_0 row {r}: off by {off}, bound {b}"
             );
             if r == 0 {
-                assert!((off - 3.5 * m).abs() <= 1e-9 * m, "row 0 reaches the bound");
+                assert!((off - b).abs() <= 1e-9 * b, "row 0 reaches the bound");
             }
+        }
+        // f16: the same weights, and f16 ones of every exponent, subnormals included.
+        let mut h: Vec<f16> = dq.iter().map(|v| f16::from_f32(*v)).collect();
+        for (i, v) in h.iter_mut().enumerate().take(n_in) {
+            *v = f16::from_bits((next() as u16) & 0x7bff | (i as u16 & 1) << 15);
+        }
+        let w16: Vec<f32> = h.iter().map(|v| v.to_f32()).collect();
+        for (r, (e, b)) in logit_bounds_f16(&h, &x).into_iter().enumerate() {
+            let off = (exact(&w16[r * n_in..(r + 1) * n_in]) - e).abs();
+            assert!(
+                off <= b * (1.0 + 1e-9),
+                "f16 row {r}: off by {off}, bound {b}"
+            );
         }
     }
 }

@@ -505,56 +505,94 @@ impl Device {
     }
 }
 
-/// Greedy decoding's bounded arg-max over a q8_0 vocabulary projection (rows of at most 1,024,
-/// one warp each): the matrix's fifth-bit plane (`pack::fifth_bits`) and the buffers of its
-/// two passes, the rows' upper bounds and a lower bound per block of the first.
+/// Greedy decoding's bounded arg-max over a q8_0 or f16 vocabulary projection (rows of at most
+/// 1,024, one warp each): the plane of its weights' top bits that the first pass reads (q8_0:
+/// the fifth bits of `pack::fifth_bits`, beside the packed high nibbles; f16: the high bytes),
+/// and the buffers of its two passes, the rows' upper bounds and a lower bound per block of the
+/// first.
 pub struct BoundedArgmax {
-    fifth: CudaSlice<u32>,
+    plane: CudaSlice<u8>,
     upper: CudaSlice<f32>,
     lower: CudaSlice<u32>,
+    /// Bytes of the matrix and plane the first pass reads.
+    first_pass: usize,
 }
 
 impl BoundedArgmax {
-    /// Whether it applies to a matrix of `ty` with rows of `n_in`: q8_0, rows of at most 1,024.
+    /// Whether it applies to a matrix of `ty` with rows of `n_in`: q8_0 or f16, rows of at most
+    /// 1,024.
     pub fn applies(ty: GgmlType, n_in: usize) -> bool {
-        ty == GgmlType::Q8_0 && n_in <= 1024
+        matches!(ty, GgmlType::Q8_0 | GgmlType::F16) && n_in <= 1024
     }
 
-    /// Its bytes on the GPU for `rows` rows of `n_in`: a fifth-bits word per chunk, an upper
-    /// bound per row (and a lower bound per block of the first pass, a few hundred bytes).
-    pub fn bytes(rows: usize, n_in: usize) -> usize {
-        rows * (n_in / 32 + 1) * 4
+    /// Its bytes on the GPU for `rows` rows of `n_in` of `ty`: the plane (q8_0: a word per
+    /// chunk; f16: a byte per weight) and an upper bound per row (and a lower bound per block
+    /// of the first pass, a few hundred bytes).
+    pub fn bytes(ty: GgmlType, rows: usize, n_in: usize) -> usize {
+        let plane = if ty == GgmlType::F16 {
+            n_in
+        } else {
+            n_in / 32 * 4
+        };
+        rows * (plane + 4)
     }
 
-    /// The rows' upper bounds of the last launch's first pass (`cpu::logit_bounds`' twin).
+    /// The rows' upper bounds of the last launch's first pass (the twin of
+    /// `cpu::logit_bounds_q8_0` and `cpu::logit_bounds_f16`).
     pub fn upper_bounds(&self, dev: &Device) -> Result<Vec<f32>> {
         dev.download(&self.upper)
     }
 
-    /// Bytes of the matrix its first pass reads: each chunk's high nibbles (16), fifth bits
-    /// (4) and scale (2). The second reads the few rows it computes exactly, not counted.
+    /// Bytes its first pass reads: q8_0, each chunk's high nibbles (16), fifth bits (4) and
+    /// scale (2); f16, the high bytes. The second reads the few rows it computes exactly, not
+    /// counted.
     pub fn first_pass_bytes(&self) -> usize {
-        self.fifth.len() * (16 + 4 + 2)
+        self.first_pass
     }
 }
 
 impl Device {
-    /// What [`Device::argmax_bounded`] needs for the matrix `w`, uploaded from the file's q8_0
-    /// blocks `data`; `None` where it does not apply: other types, rows longer than 1,024.
+    /// What [`Device::argmax_bounded`] needs for the matrix `w`, uploaded from the file's
+    /// blocks `data` (q8_0; for f16 the plane comes from `w` itself); `None` where it does not
+    /// apply: other types, rows longer than 1,024.
     pub fn bounded_argmax(&self, w: &GpuMatrix, data: &[u8]) -> Result<Option<BoundedArgmax>> {
         if !BoundedArgmax::applies(w.ty(), w.n_in()) {
             return Ok(None);
         }
-        let fifth = crate::pack::fifth_bits(data)?;
-        check(
-            fifth.len() == w.rows() * (w.n_in() / 32),
-            "bounded arg-max: blocks of the matrix",
-        )?;
+        let n = w.rows() * w.n_in();
+        let (plane, first_pass) = if w.ty() == GgmlType::F16 {
+            let mut plane = self.zeros::<u8>(n)?;
+            let (n32, s) = (u32_of(n, "high_bytes")?, self.stream());
+            let cfg = LaunchConfig {
+                grid_dim: (4 * self.sm_count()?, 1, 1),
+                block_dim: (256, 1, 1),
+                shared_mem_bytes: 0,
+            };
+            {
+                let (op, _o) = plane.device_ptr_mut(s);
+                let (wp, _w) = w.ptr(s);
+                let mut l = self.launch("high_bytes");
+                l.arg(&op).arg(&wp).arg(&n32);
+                // SAFETY: parameters (u8*, const u16*, u32): out holds n bytes, w n f16 (rows
+                // of n_in plain f16).
+                unsafe { l.run(cfg, false) }?;
+            }
+            (plane, n)
+        } else {
+            let fifth = crate::pack::fifth_bits(data)?;
+            check(
+                fifth.len() == n / 32,
+                "bounded arg-max: blocks of the matrix",
+            )?;
+            let bytes: Vec<u8> = fifth.iter().flat_map(|w| w.to_le_bytes()).collect();
+            (self.upload(&bytes)?, n / 32 * (16 + 4 + 2))
+        };
         let blocks = self.bounds_launch(w)?.grid_dim.0 as usize;
         Ok(Some(BoundedArgmax {
-            fifth: self.upload(&fifth)?,
+            plane,
             upper: self.zeros(w.rows())?,
             lower: self.zeros(blocks)?,
+            first_pass,
         }))
     }
 
@@ -562,15 +600,16 @@ impl Device {
     fn bounds_launch(&self, w: &GpuMatrix) -> Result<LaunchConfig> {
         let split = split_of(w.n_in(), "logit_bounds")?;
         let g = self.geometry(w.rows().div_ceil(4), split, w.n_in())?;
-        self.strided_launch("logit_bounds", &g)
+        self.strided_launch(&family_kernel("logit_bounds", w.ty()), &g)
     }
 
     /// What `logits` with `best` gives in `best`'s words (the same token, and the same end
     /// of the step), without the logits: a first pass bounds every row's logit from the top
-    /// five bits of its quants (22 of each chunk's 34 bytes), a second computes exactly, as
-    /// `logits` does, only the rows whose upper bound reaches the largest lower bound (the
-    /// arg-max is one of them). `w` the q8_0 matrix `b` was made for. Twin: `cpu::logit_bounds`
-    /// (the first pass), `cpu::argmax`.
+    /// bits of its weights (q8_0: the quants' top five bits, 22 of each chunk's 34 bytes; f16:
+    /// the high bytes, half), a second computes exactly, as `logits` does, only the rows whose
+    /// upper bound reaches the largest lower bound (the arg-max is one of them). `w` the matrix
+    /// `b` was made for. Twin: `cpu::logit_bounds_q8_0` or `cpu::logit_bounds_f16` (the first
+    /// pass), `cpu::argmax`.
     pub fn argmax_bounded(
         &self,
         b: &mut BoundedArgmax,
@@ -585,9 +624,14 @@ impl Device {
         check(norm.len() == n_in, "argmax_bounded: shapes of x and norm")?;
         check_matrix(w, n_out, n_in, WHAT)?;
         let (out, scratch, end) = best;
+        let plane = if w.ty() == GgmlType::F16 {
+            n_in
+        } else {
+            n_in / 32 * 4
+        };
         check(
             BoundedArgmax::applies(w.ty(), n_in)
-                && b.fifth.len() == n_out * (n_in / 32)
+                && b.plane.len() == n_out * plane
                 && b.upper.len() == n_out
                 && out.len() >= 1
                 && scratch.len() >= 2
@@ -606,15 +650,15 @@ impl Device {
         let (np, _n) = norm.device_ptr(s);
         check_aligned(&[xp, np], WHAT)?;
         let (wp, _w) = w.ptr(s);
-        let (fp, _f) = b.fifth.device_ptr(s);
+        let (pp, _p) = b.plane.device_ptr(s);
         let (up, _u) = b.upper.device_ptr_mut(s);
         let (lp, _l) = b.lower.device_ptr_mut(s);
-        let mut l = self.launch("logit_bounds");
+        let mut l = self.launch(&family_kernel("logit_bounds", w.ty()));
         l.arg(&up).arg(&lp).arg(&xp).arg(&np).arg(&eps);
-        l.arg(&wp).arg(&fp).arg(&n_in).arg(&n_out);
-        // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u32*,
-        // u32, u32). w is n_out q8_0 GpuMatrix rows of n_in <= 1024 (whole chunks, one warp
-        // each) with its fifth bits; x and norm hold n_in, 16-byte aligned; upper holds n_out
+        l.arg(&wp).arg(&pp).arg(&n_in).arg(&n_out);
+        // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
+        // u32, u32). w is n_out q8_0 or f16 GpuMatrix rows of n_in <= 1024 (whole chunks, one
+        // warp each) with its plane (16-byte aligned, as every allocation); x and norm hold n_in, 16-byte aligned; upper holds n_out
         // and lower a word per block; blocks are whole warps, shared as `gemv_shared`.
         // It may overlap the kernel before: it reads only weights before it waits.
         unsafe { l.run(first, true) }?;
@@ -625,15 +669,16 @@ impl Device {
             blocks: self.sm_count()?,
             shared: gemv_shared(32 * MAX_WARPS, n_in as usize)?,
         };
-        let second = self.gemv_launch(WHAT, &g, g.blocks)?;
+        let name = family_kernel(WHAT, w.ty());
+        let second = self.gemv_launch(&name, &g, g.blocks)?;
         let (op, _o) = out.device_ptr_mut(s);
         let (sp, _s) = scratch.device_ptr_mut(s);
         let end = end.map(|e| e.ptrs(s));
-        let (tp, nt, pp, stp) = end.as_ref().map_or((0, 0, 0, 0), |(p, _)| *p);
-        let mut l = self.launch(WHAT);
+        let (tp, nt, pos, stp) = end.as_ref().map_or((0, 0, 0, 0), |(p, _)| *p);
+        let mut l = self.launch(&name);
         l.arg(&op).arg(&sp).arg(&up).arg(&lp).arg(&n_lower);
         l.arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&n_in);
-        l.arg(&n_out).arg(&tp).arg(&nt).arg(&pp).arg(&stp);
+        l.arg(&n_out).arg(&tp).arg(&nt).arg(&pos).arg(&stp);
         // SAFETY: parameters (u32*, u64*, const f32*, const u32*, u32, const f32*, const f32*,
         // f32, const u8*, u32, u32, u32* or null, u32, u32* or null, u64* or null). As above;
         // out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); `logit_bounds`

@@ -147,7 +147,7 @@ pub struct CudaModel {
     layers: Vec<Layer>,
     output_norm: CudaSlice<f32>,
     output: GpuMatrix,
-    /// Greedy decoding's bounded arg-max over `output`, where it applies (q8_0).
+    /// Greedy decoding's bounded arg-max over `output`, where it applies (q8_0, f16).
     bounded: Option<BoundedArgmax>,
     rope: CudaSlice<f32>,
     buf: Buffers,
@@ -242,12 +242,7 @@ impl CudaModel {
             "output.weight"
         };
         let output = matrix(output_name)?;
-        let bounded = match format {
-            WeightFormat::Native => {
-                dev.bounded_argmax(&output, g.tensor_data(g.tensor(output_name)?))?
-            }
-            WeightFormat::F16 => None,
-        };
+        let bounded = dev.bounded_argmax(&output, g.tensor_data(g.tensor(output_name)?))?;
         let (h, n) = (cfg.hidden, MAX_BATCH);
         let buf = Buffers {
             x: dev.zeros(n * h)?,
@@ -836,14 +831,18 @@ fn check_memory(
     } else {
         0
     };
-    // The bounded arg-max's fifth bits (a u32 per chunk) and upper bounds, for a q8_0 output.
+    // The bounded arg-max's plane and upper bounds, for a q8_0 or f16 output matrix.
     let out = g.tensor(if c.tied_output {
         "token_embd.weight"
     } else {
         "output.weight"
     })?;
-    let bounded = if format == WeightFormat::Native && BoundedArgmax::applies(out.ty, c.hidden) {
-        BoundedArgmax::bytes(c.vocab, c.hidden) as u64
+    let out_ty = match format {
+        WeightFormat::Native => out.ty,
+        WeightFormat::F16 => GgmlType::F16,
+    };
+    let bounded = if BoundedArgmax::applies(out_ty, c.hidden) {
+        BoundedArgmax::bytes(out_ty, c.vocab, c.hidden) as u64
     } else {
         0
     };

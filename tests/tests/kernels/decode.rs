@@ -80,7 +80,7 @@ struct Mat {
     data: GpuMatrix,
     w32: Vec<f32>,
     n_in: usize,
-    /// Greedy's bounded arg-max and the file's blocks, where it applies (q8_0).
+    /// Greedy's bounded arg-max and the file's blocks, where it applies (q8_0, f16).
     bounded: Option<(BoundedArgmax, Vec<u8>)>,
 }
 
@@ -95,10 +95,7 @@ impl Mat {
         } else {
             dev.upload_matrix(ty, bytes, n_in).unwrap()
         };
-        let bounded = match as_f16 {
-            false => dev.bounded_argmax(&data, bytes).unwrap(),
-            true => None,
-        };
+        let bounded = dev.bounded_argmax(&data, bytes).unwrap();
         Mat {
             data,
             w32,
@@ -310,10 +307,11 @@ fn check_logits(dev: &Device, norm: &[f32], w: &mut Mat, x: &[f32], what: &str) 
     worst(&got, &want, &mag)
 }
 
-/// `argmax_bounded` on `w` (q8_0) for the token `x`: it picks `cpu::argmax` of `logits`' own
-/// logits `got` (twice, on one scratch, which must come back zero), and its first pass bounds
-/// them: every upper bound is at least the GPU's logit and matches its twin,
-/// `cpu::logit_bounds`, whose `e ± 3.5·m` holds the CPU's logit `want` (error scale `mag`).
+/// `argmax_bounded` on `w` (q8_0 or f16) for the token `x`: it picks `cpu::argmax` of `logits`'
+/// own logits `got` (twice, on one scratch, which must come back zero), and its first pass
+/// bounds them: every upper bound is at least the GPU's logit and matches its twin,
+/// `cpu::logit_bounds_q8_0` or `_f16`, whose `e ± r` holds the CPU's logit `want` (error scale
+/// `mag`).
 #[allow(clippy::too_many_arguments)]
 fn check_bounded(
     dev: &Device,
@@ -341,40 +339,46 @@ fn check_bounded(
         );
     }
     let upper = b.upper_bounds(dev).unwrap();
-    let twin = cpu::logit_bounds(bytes, &rms_norm(x, norm));
+    let xn = rms_norm(x, norm);
+    let twin = match w.data.ty() {
+        GgmlType::F16 => {
+            let h: Vec<f16> = w.w32.iter().map(|v| f16::from_f32(*v)).collect();
+            cpu::logit_bounds_f16(&h, &xn)
+        }
+        _ => cpu::logit_bounds_q8_0(bytes, &xn),
+    };
+    // The kernels widen the radius by at most 1/32 (q8_0: 3.5 by 1/256; f16: 0.125 by 1/256);
+    // their sums round at a few 2^-24 of what the radius is a share of.
+    let wider = 1.0 + 1.0 / 32.0;
     // The threshold of the second pass, as the twin puts it.
     let t = twin
         .iter()
-        .map(|(e, m)| e - (3.5 + 1.0 / 256.0) * m)
+        .map(|(e, r)| e - wider * r)
         .fold(f64::NEG_INFINITY, f64::max);
     let (mut candidates, mut widest) = (0, f64::NEG_INFINITY);
-    for (r, (&(e, m), &u)) in twin.iter().zip(&upper).enumerate() {
+    for (i, (&(e, r), &u)) in twin.iter().zip(&upper).enumerate() {
         assert!(
-            u >= got[r],
-            "argmax_bounded {what}: row {r}: bound {u} < logit {}",
-            got[r]
+            u >= got[i],
+            "argmax_bounded {what}: row {i}: bound {u} < logit {}",
+            got[i]
         );
-        // The kernel widens 3.5 by 1/256; its sums round at a few 2^-24 of 256·m.
-        let (lo, hi) = (
-            e + 3.5 * m - 1e-3 * m,
-            e + (3.5 + 1.0 / 256.0) * m + 1e-3 * m,
-        );
+        let (lo, hi) = (e + r - 1e-3 * r, e + wider * r + 1e-3 * r);
         assert!(
             (lo..=hi).contains(&f64::from(u)),
-            "argmax_bounded {what}: row {r}: bound {u}, twin's {lo}..{hi}"
+            "argmax_bounded {what}: row {i}: bound {u}, twin's {lo}..{hi}"
         );
-        let err = (f64::from(want[r]) - e).abs() - 3.5 * m;
+        let err = (f64::from(want[i]) - e).abs() - r;
         assert!(
-            err <= f64::from(TOL * mag[r]),
-            "cpu::logit_bounds {what}: row {r}: logit {} outside {e} ± 3.5·{m}",
-            want[r]
+            err <= f64::from(TOL * mag[i]),
+            "cpu::logit_bounds {what}: row {i}: logit {} outside {e} ± {r}",
+            want[i]
         );
         candidates += usize::from(f64::from(u) >= t);
-        widest = widest.max((f64::from(u) - e) / m - 3.5);
+        widest = widest.max((f64::from(u) - e) / r);
     }
     println!(
         "argmax_bounded {what}: {candidates} rows computed exactly; upper bounds at most \
-         e + (3.5 + {widest:.4})·m"
+         e + {widest:.4}·r"
     );
 }
 
@@ -850,9 +854,13 @@ fn decode_kernels_refuse_bad_shapes() {
         msg(dev.logits(&mut one, &long, &long, EPS, &wl, None)),
         "logits: rows of 32800 are longer than the kernel's 32768"
     );
-    // The bounded arg-max: for q8_0 only, and on the matrix it was made for.
+    // The bounded arg-max: for q8_0 and f16 rows of at most 1,024 only, and on the matrix it
+    // was made for.
     let bytes8 = vec![0u8; GgmlType::Q8_0.row_bytes(n_in).unwrap() * n_out];
-    assert!(dev.bounded_argmax(&w16, &bytes8).unwrap().is_none());
+    let f32s = zeros(GgmlType::F32, n_out, n_in);
+    assert!(dev.bounded_argmax(&f32s, &bytes8).unwrap().is_none());
+    let wide = zeros(GgmlType::F16, 1, 1056);
+    assert!(dev.bounded_argmax(&wide, &[]).unwrap().is_none());
     let mut b = dev.bounded_argmax(&q8, &bytes8).unwrap().unwrap();
     let (mut best, mut scratch) = (dev.zeros::<u32>(1).unwrap(), dev.logits_scratch().unwrap());
     let q8_6 = zeros(GgmlType::Q8_0, 6, n_in);
