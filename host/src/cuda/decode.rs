@@ -6,7 +6,7 @@
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 
-use super::matmul::{GpuMatrix, gemv_split};
+use super::matmul::{GpuMatrix, gemv_split, one_per_element};
 use super::{Device, allow_shared, check, u32_of};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
@@ -525,16 +525,20 @@ impl BoundedArgmax {
         matches!(ty, GgmlType::Q8_0 | GgmlType::F16) && n_in <= 1024
     }
 
-    /// Its bytes on the GPU for `rows` rows of `n_in` of `ty`: the plane (q8_0: a word per
-    /// chunk; f16: a byte per weight) and an upper bound per row (and a lower bound per block
-    /// of the first pass, a few hundred bytes).
-    pub fn bytes(ty: GgmlType, rows: usize, n_in: usize) -> usize {
-        let plane = if ty == GgmlType::F16 {
+    /// Bytes of its plane per row of `n_in` of `ty`: q8_0, a word per chunk; f16, a byte per
+    /// weight.
+    fn plane_bytes(ty: GgmlType, n_in: usize) -> usize {
+        if ty == GgmlType::F16 {
             n_in
         } else {
             n_in / 32 * 4
-        };
-        rows * (plane + 4)
+        }
+    }
+
+    /// Its bytes on the GPU for `rows` rows of `n_in` of `ty`: the plane and an upper bound per
+    /// row (and a lower bound per block of the first pass, a few hundred bytes).
+    pub fn bytes(ty: GgmlType, rows: usize, n_in: usize) -> usize {
+        rows * (Self::plane_bytes(ty, n_in) + 4)
     }
 
     /// The rows' upper bounds of the last launch's first pass (the twin of
@@ -563,11 +567,7 @@ impl Device {
         let (plane, first_pass) = if w.ty() == GgmlType::F16 {
             let mut plane = self.zeros::<u8>(n)?;
             let (n32, s) = (u32_of(n, "high_bytes")?, self.stream());
-            let cfg = LaunchConfig {
-                grid_dim: (4 * self.sm_count()?, 1, 1),
-                block_dim: (256, 1, 1),
-                shared_mem_bytes: 0,
-            };
+            let cfg = one_per_element(n32.max(1));
             {
                 let (op, _o) = plane.device_ptr_mut(s);
                 let (wp, _w) = w.ptr(s);
@@ -584,8 +584,11 @@ impl Device {
                 fifth.len() == n / 32,
                 "bounded arg-max: blocks of the matrix",
             )?;
-            let bytes: Vec<u8> = fifth.iter().flat_map(|w| w.to_le_bytes()).collect();
-            (self.upload(&bytes)?, n / 32 * (16 + 4 + 2))
+            // SAFETY: a u32 is 4 bytes with no padding and any bit pattern is a valid u8; the
+            // device reads the words as they lie in memory (little-endian, as the GPU).
+            let bytes =
+                unsafe { std::slice::from_raw_parts(fifth.as_ptr().cast::<u8>(), 4 * fifth.len()) };
+            (self.upload(bytes)?, n / 32 * (16 + 4 + 2))
         };
         let blocks = self.bounds_launch(w)?.grid_dim.0 as usize;
         Ok(Some(BoundedArgmax {
@@ -624,14 +627,9 @@ impl Device {
         check(norm.len() == n_in, "argmax_bounded: shapes of x and norm")?;
         check_matrix(w, n_out, n_in, WHAT)?;
         let (out, scratch, end) = best;
-        let plane = if w.ty() == GgmlType::F16 {
-            n_in
-        } else {
-            n_in / 32 * 4
-        };
         check(
             BoundedArgmax::applies(w.ty(), n_in)
-                && b.plane.len() == n_out * plane
+                && b.plane.len() == n_out * BoundedArgmax::plane_bytes(w.ty(), n_in)
                 && b.upper.len() == n_out
                 && out.len() >= 1
                 && scratch.len() >= 2
@@ -658,8 +656,9 @@ impl Device {
         l.arg(&wp).arg(&pp).arg(&n_in).arg(&n_out);
         // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
         // u32, u32). w is n_out q8_0 or f16 GpuMatrix rows of n_in <= 1024 (whole chunks, one
-        // warp each) with its plane (16-byte aligned, as every allocation); x and norm hold n_in, 16-byte aligned; upper holds n_out
-        // and lower a word per block; blocks are whole warps, shared as `gemv_shared`.
+        // warp each) with its plane (16-byte aligned, as every allocation); x and norm hold
+        // n_in, 16-byte aligned; upper holds n_out and lower a word per block; blocks are whole
+        // warps, shared as `gemv_shared`.
         // It may overlap the kernel before: it reads only weights before it waits.
         unsafe { l.run(first, true) }?;
 

@@ -25,7 +25,7 @@ const GEMM_F32_SHARED_BYTES: u32 = 2 * 32 * 68 * 4;
 const GEMV_MAX_SPLIT: usize = 32;
 
 /// Blocks of `BLOCK` threads for one thread per element.
-fn one_per_element(n: u32) -> LaunchConfig {
+pub(super) fn one_per_element(n: u32) -> LaunchConfig {
     LaunchConfig {
         grid_dim: (n.div_ceil(BLOCK), 1, 1),
         block_dim: (BLOCK, 1, 1),

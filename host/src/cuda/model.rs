@@ -236,11 +236,7 @@ impl CudaModel {
                 })
             })
             .collect::<Result<Vec<_>>>()?;
-        let output_name = if cfg.tied_output {
-            "token_embd.weight"
-        } else {
-            "output.weight"
-        };
+        let output_name = output_name(&cfg);
         let output = matrix(output_name)?;
         let bounded = dev.bounded_argmax(&output, g.tensor_data(g.tensor(output_name)?))?;
         let (h, n) = (cfg.hidden, MAX_BATCH);
@@ -781,6 +777,15 @@ fn view_mut<T>(buf: &mut CudaSlice<T>, len: usize) -> CudaViewMut<'_, T> {
     buf.slice_mut(..len)
 }
 
+/// The tensor of the output projection: its own, or the token embedding's when they are tied.
+fn output_name(c: &Config) -> &'static str {
+    if c.tied_output {
+        "token_embd.weight"
+    } else {
+        "output.weight"
+    }
+}
+
 /// Bytes the model will take on the GPU, checked against what is free before anything is
 /// allocated; returns what is free.
 fn check_memory(
@@ -832,11 +837,7 @@ fn check_memory(
         0
     };
     // The bounded arg-max's plane and upper bounds, for a q8_0 or f16 output matrix.
-    let out = g.tensor(if c.tied_output {
-        "token_embd.weight"
-    } else {
-        "output.weight"
-    })?;
+    let out = g.tensor(output_name(c))?;
     let out_ty = match format {
         WeightFormat::Native => out.ty,
         WeightFormat::F16 => GgmlType::F16,
