@@ -34,7 +34,7 @@ use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
 use crate::attention::ONE_TILE_KEYS;
 use crate::matmul::{Held, Plain, Weights, family, gemv_units, lane_chunk, stage, with_weights};
-use crate::quant::{Packed, Q8_0, RADIUS, TopChunk, U32x4, prmt};
+use crate::quant::{Packed, Q8_0, RADIUS, TopChunk, prmt};
 use crate::sampling::end_step;
 use crate::util::{
     WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp,
@@ -56,7 +56,7 @@ fn held_norm<W: Weights>(
     let ss = stage::<W>(x, Some(g), n_in);
     // The sum's barrier also publishes the staged vector.
     let s = 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps);
-    (Held::staged(lane_chunk(split, n_in / 32)), s)
+    (Held::staged::<W>(lane_chunk(split, n_in / 32), n_in / 32), s)
 }
 
 /// `bias[r]` by `load_early`, or 0 for a null bias.
@@ -283,7 +283,7 @@ unsafe fn gemv_residual_family<const F: u32>(
             if staged {
                 stage::<W>(v, None, n_in);
                 sync_threads();
-                (Held::staged(c), ())
+                (Held::staged::<W>(c, chunks), ())
             } else {
                 (Held::load::<W, true>(v, c, n_in), ())
             }
@@ -510,11 +510,16 @@ impl Sketch for F16Sketch {
         }
     }
 
+    /// The high bytes of chunk `c`'s weights, in `Plain`'s order (`Weights::group_at`).
     #[inline(always)]
     unsafe fn top(&self, row: usize, c: u32) -> [u32; 8] {
-        let p = self.top.wrapping_add(row * self.n_in + 32 * c as usize) as *const U32x4;
-        let (a, b) = unsafe { (load_streaming(p).0, load_streaming(p.add(1)).0) };
-        [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
+        let n_chunks = self.n_in as u32 / 32;
+        let group = |g: u32| {
+            let k = Plain::<f16>::group_at(c, g, n_chunks) as usize;
+            unsafe { load_streaming(self.top.wrapping_add(row * self.n_in + k) as *const [u32; 2]) }
+        };
+        let (a, b, c, d) = (group(0), group(1), group(2), group(3));
+        [a[0], a[1], b[0], b[1], c[0], c[1], d[0], d[1]]
     }
 
     #[inline(always)]

@@ -53,11 +53,19 @@ pub(crate) trait Weights {
     /// Weight `k` of row `row`, for the tail of a row that is not whole groups of 8; rows of
     /// quantized weights never have one (they are whole blocks of 32 or 256).
     unsafe fn load1(&self, row: usize, k: usize) -> f32;
-    /// Chunk `c` of row `row`, weights `32c..32c + 32`. `VEC`: `vector()` holds and
-    /// `n_in % 32 == 0`; else weights past `n_in` are zeros.
+    /// Chunk `c` of row `row`: its 4 groups of 8 weights, group `g` from weight
+    /// [`group_at`](Weights::group_at)`(c, g, n_in / 32)`. `VEC`: `vector()` holds and
+    /// `n_in % 32 == 0`; else the chunk is weights `32c..32c + 32`, zeros past `n_in`.
     unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk;
     /// The chunk's weights times the same 32 elements of the vector.
     fn dot(chunk: &Self::Chunk, x: &Held) -> f32;
+    /// The first of the 8 weights of group `g` of chunk `c`, in a row of `n_chunks` chunks
+    /// (vector rows): by default `32c + 8g`, the chunk's own 32 weights, as a quantized
+    /// block's scales require.
+    #[inline(always)]
+    fn group_at(c: u32, g: u32, _n_chunks: u32) -> u32 {
+        32 * c + 8 * g
+    }
 }
 
 /// A plain float format.
@@ -139,10 +147,12 @@ impl<T: Float> Weights for Plain<T> {
     #[inline(always)]
     unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk {
         let k0 = 32 * c as usize;
-        let p = unsafe { self.w.add(row * self.n_in + k0) };
+        let (row, p) = unsafe { (self.w.add(row * self.n_in), self.w.add(row * self.n_in + k0)) };
+        let n_chunks = self.n_in as u32 / 32;
         core::array::from_fn(|g| {
             if VEC {
-                unsafe { *(p.add(8 * g) as *const Align16<[T; 8]>) }
+                let k = Self::group_at(c, g as u32, n_chunks) as usize;
+                unsafe { *(row.add(k) as *const Align16<[T; 8]>) }
             } else {
                 Align16(core::array::from_fn(|j| {
                     let k = 8 * g + j;
@@ -165,6 +175,14 @@ impl<T: Float> Weights for Plain<T> {
             }
         }
         (acc[0] + acc[1]) + (acc[2] + acc[3])
+    }
+
+    /// Group `g` of every chunk in one stretch, chunk by chunk: a warp's lanes, which take
+    /// neighbouring chunks, then read neighbouring 8-weight groups, each load one coalesced
+    /// run (a whole chunk a lane would put 64-byte gaps between the lanes' f16 loads).
+    #[inline(always)]
+    fn group_at(c: u32, g: u32, n_chunks: u32) -> u32 {
+        8 * (g * n_chunks + c)
     }
 }
 
@@ -206,8 +224,9 @@ macro_rules! with_weights {
 pub(crate) use with_weights;
 
 /// The 32 elements of the vector that a GEMV lane multiplies its chunk of every row by (times
-/// the weights' `X_SCALE`), loaded by the lane or read from the block's [`stage`]d copy, and
-/// the sums of its two halves.
+/// the weights' `X_SCALE`), group `g` of 8 from element `W::group_at(c, g, ..)` as the chunk's
+/// weights, loaded by the lane or read from the block's [`stage`]d copy, and the sums of its two
+/// halves (what the packed formats' offsets multiply).
 pub(crate) struct Held {
     pub(crate) x: [f32; 32],
     pub(crate) sum: [f32; 2],
@@ -280,15 +299,19 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) ->
 }
 
 impl Held {
-    /// Elements `32c..32c + 32` of `x` (`n` long), loaded by this lane: for kernels that do
-    /// not [`stage`] the vector (no barrier for the lane's loads to wait behind). `VEC`: `x`
-    /// 16-byte aligned and `n % 32 == 0`; else element by element, zeros past `n`.
+    /// Chunk `c` of `x` (`n` long), loaded by this lane: for kernels that do not [`stage`] the
+    /// vector (no barrier for the lane's loads to wait behind). `VEC`: `x` 16-byte aligned and
+    /// `n % 32 == 0`; else element by element, elements `32c..32c + 32`, zeros past `n`.
     #[inline(always)]
     pub(crate) fn load<W: Weights, const VEC: bool>(x: *const f32, c: u32, n: u32) -> Held {
-        let (k0, n) = (32 * c as usize, n as usize);
+        let (k0, n_chunks, n) = (32 * c as usize, n / 32, n as usize);
         let mut v = [0.0f32; 32];
         for q in 0..8 {
-            let k = k0 + 4 * q;
+            let k = if VEC {
+                W::group_at(c, q as u32 / 2, n_chunks) as usize + 4 * (q % 2)
+            } else {
+                k0 + 4 * q
+            };
             let v4 = if VEC {
                 unsafe { *(x.add(k) as *const F32x4) }.0
             } else {
@@ -309,15 +332,19 @@ impl Held {
         }
     }
 
-    /// Chunk `c` of the vector [`stage`]d in shared memory (after the barrier that follows it).
+    /// Chunk `c` of the vector [`stage`]d in shared memory (after the barrier that follows it),
+    /// `n_chunks` long.
     #[inline(always)]
-    pub(crate) fn staged(c: u32) -> Held {
-        let p = unsafe { staging().add(STAGED * c as usize) };
+    pub(crate) fn staged<W: Weights>(c: u32, n_chunks: u32) -> Held {
+        let at = |k: u32| unsafe { staging().add(STAGED * (k / 32) as usize + (k % 32) as usize) };
         let mut x = [0.0f32; 32];
         for q in 0..8 {
-            x[4 * q..4 * q + 4].copy_from_slice(&unsafe { *(p.add(4 * q) as *const F32x4) }.0);
+            let p = at(W::group_at(c, q as u32 / 2, n_chunks) + 4 * (q as u32 % 2));
+            x[4 * q..4 * q + 4].copy_from_slice(&unsafe { *(p as *const F32x4) }.0);
         }
-        let sums = unsafe { *(p.add(32) as *const F32x4) }.0;
+        // Chunk `c`'s own halves: the formats whose chunks are not their own 32 elements
+        // (plain floats) have no offsets to multiply.
+        let sums = unsafe { *(at(32 * c).add(32) as *const F32x4) }.0;
         Held {
             x,
             sum: [sums[0], sums[1]],
