@@ -61,10 +61,24 @@ fn resolve_of_an_unknown_name_lists_the_known_ones() {
 
 #[test]
 fn cache_dir_honours_orcd_home() {
-    // The only test in this executable that reads ORCD_HOME, so setting it races with nothing.
-    unsafe { std::env::set_var("ORCD_HOME", "/tmp/orcd-test-home") };
-    assert_eq!(
-        models::cache_dir(),
-        std::path::Path::new("/tmp/orcd-test-home/models")
+    const HOME: &str = "/tmp/orcd-test-home";
+    // ORCD_HOME is the whole process's, and this executable's other tests find the default
+    // model through it: the check runs in a child process of its own, with ORCD_HOME set.
+    if std::env::var_os("ORCD_HOME").is_some_and(|h| h == HOME) {
+        assert_eq!(
+            models::cache_dir(),
+            std::path::Path::new(HOME).join("models")
+        );
+        return;
+    }
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "models::cache_dir_honours_orcd_home"])
+        .env("ORCD_HOME", HOME)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}"
     );
 }
