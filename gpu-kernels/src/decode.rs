@@ -518,8 +518,8 @@ impl Sketch for F16Sketch {
             let k = Plain::<f16>::group_at(c, g, n_chunks) as usize;
             unsafe { load_streaming(self.top.wrapping_add(row * self.n_in + k) as *const [u32; 2]) }
         };
-        let (a, b, c, d) = (group(0), group(1), group(2), group(3));
-        [a[0], a[1], b[0], b[1], c[0], c[1], d[0], d[1]]
+        let (g0, g1, g2, g3) = (group(0), group(1), group(2), group(3));
+        [g0[0], g0[1], g1[0], g1[1], g2[0], g2[1], g3[0], g3[1]]
     }
 
     #[inline(always)]

@@ -146,18 +146,16 @@ impl<T: Float> Weights for Plain<T> {
 
     #[inline(always)]
     unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk {
-        let k0 = 32 * c as usize;
-        let (row, p) = unsafe { (self.w.add(row * self.n_in), self.w.add(row * self.n_in + k0)) };
-        let n_chunks = self.n_in as u32 / 32;
+        let (w, n_chunks) = (unsafe { self.w.add(row * self.n_in) }, self.n_in as u32 / 32);
         core::array::from_fn(|g| {
             if VEC {
                 let k = Self::group_at(c, g as u32, n_chunks) as usize;
-                unsafe { *(row.add(k) as *const Align16<[T; 8]>) }
+                unsafe { *(w.add(k) as *const Align16<[T; 8]>) }
             } else {
                 Align16(core::array::from_fn(|j| {
-                    let k = 8 * g + j;
-                    if k0 + k < self.n_in {
-                        unsafe { *p.add(k) }
+                    let k = 32 * c as usize + 8 * g + j;
+                    if k < self.n_in {
+                        unsafe { *w.add(k) }
                     } else {
                         T::ZERO
                     }
