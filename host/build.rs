@@ -1,7 +1,7 @@
 //! Compiles `gpu-kernels/` to PTX with rustc's NVPTX backend, once for sm_80 and once for
 //! sm_90, and hands the paths to the library (`include_str!(env!("ORCD_PTX"))`,
-//! `ORCD_PTX_SM90`), with the register caps of `MAX_REGISTERS` written in. Needs no GPU and
-//! no CUDA: only the pinned nightly with `rust-src` (for `-Zbuild-std=core`).
+//! `ORCD_PTX_SM90`). Needs no GPU and no CUDA: only the pinned nightly with `rust-src` (for
+//! `-Zbuild-std=core`).
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 
@@ -35,29 +35,10 @@ fn main() {
         let text = std::fs::read_to_string(&ptx)
             .unwrap_or_else(|e| panic!("build.rs: no PTX at {}: {e}", ptx.display()));
         let out = out_dir.join(format!("orcd-{cpu}.ptx"));
-        std::fs::write(&out, limit_registers(text))
+        std::fs::write(&out, text)
             .unwrap_or_else(|e| panic!("build.rs: writing {}: {e}", out.display()));
         println!("cargo:rustc-env={var}={}", out.display());
     }
-}
-
-/// Kernels whose registers are capped (PTX's `.maxnreg`, which rustc cannot emit), and why.
-/// `gemv_residual_packed`: the FFN down projection runs it with 5 warps per unit (rows of 4864
-/// are 152 chunks), 4 units a block (`staged_geometry`: one block per SM, all 448 units in one
-/// round); 640 threads fit on an SM at 96 registers, not at the kernel's natural 109 (ptxas).
-const MAX_REGISTERS: &[(&str, u32)] = &[("gemv_residual_packed", 96)];
-
-/// `ptx` with a `.maxnreg` directive on each kernel of `MAX_REGISTERS`.
-fn limit_registers(mut ptx: String) -> String {
-    for (name, regs) in MAX_REGISTERS {
-        let entry = format!(".visible .entry {name}(");
-        let params_end = ptx
-            .find(&entry)
-            .and_then(|at| Some(at + ptx[at..].find("\n)\n")? + 3))
-            .unwrap_or_else(|| panic!("build.rs: no kernel {name} in the PTX"));
-        ptx.insert_str(params_end, &format!(".maxnreg {regs}\n"));
-    }
-    ptx
 }
 
 /// Starts building the kernels for `target-cpu` `cpu` in `target_dir`.

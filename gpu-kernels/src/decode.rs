@@ -215,7 +215,7 @@ impl Qkv {
                 unsafe { (*out.add(r0), *out.add(r1)) = (a, b) };
             }
         };
-        gemv_units::<W, _, _, true>(held, chunks, n_pairs, split, block, blocks, rows, out);
+        gemv_units::<W, _, _, true, true>(held, chunks, n_pairs, split, block, blocks, rows, out);
     }
 }
 
@@ -248,16 +248,16 @@ unsafe fn ffn_gate_up_family<const F: u32>(
                 unsafe { *h.add(r as usize) = g / (1.0 + exp(-g)) * u };
             }
         };
-        gemv_units::<W, f32, _, true>(held, n_in / 32, n_out, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true, false>(held, n_in / 32, n_out, split, block(), grid_dim(), rows, out)
     })
 }
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
-/// place on the residual stream. Units are pairs of rows. For packed weights, a grid that
-/// takes every unit in one round stages `v` once per block in shared memory for all its units
-/// (so that few blocks of many units read few copies of it). Grid: any number of blocks (they
-/// stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per warp,
-/// or for packed weights as `matmul::stage` says.
+/// place on the residual stream. Units are pairs of rows. For packed weights each block stages
+/// `v` once in shared memory for all its units (so that few blocks of many units read few
+/// copies of it). Grid: a block for every
+/// `blockDim / 32 / split` units, one round (`gemv_units`' `ONE`); block: a multiple of
+/// `32·split` threads; shared: 2 f32 per warp, or for packed weights as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemv_residual_family<const F: u32>(
@@ -275,10 +275,9 @@ unsafe fn gemv_residual_family<const F: u32>(
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
         let units = n_out.div_ceil(2);
-        // Staged where the host launches few blocks of many units (packed weights) and they
-        // take every unit in one round; else each lane loads its own chunk, so that the next
-        // round's weight loads go out before `v` arrives, not after a barrier.
-        let staged = F == family::PACKED && grid_dim() * (block_dim() / 32 / split) >= units;
+        // Staged where the host launches few blocks of many units (packed weights); else each
+        // lane loads its own chunk, with no barrier for its loads to wait behind.
+        let staged = F == family::PACKED;
         let held = || {
             if staged {
                 stage::<W>(v, None, n_in);
@@ -302,7 +301,7 @@ unsafe fn gemv_residual_family<const F: u32>(
                 }
             }
         };
-        gemv_units::<W, (), _, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, (), _, true, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
     })
 }
 
@@ -359,7 +358,7 @@ unsafe fn logits_family<const F: u32>(
             }
         };
         let units = n_out.div_ceil(2);
-        gemv_units::<W, f32, _, true>(held, n_in / 32, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true, false>(held, n_in / 32, units, split, block(), grid_dim(), rows, out)
     });
     if !best.is_null() {
         let (bv, bi) = best_here.get();

@@ -363,11 +363,23 @@ impl Held {
 /// `y` that it adds to) arrives while they are computed; the finisher it gives takes the 2 dot
 /// products, on the one thread that finishes `unit` (for units past the end, `out` sees the
 /// last unit and its finisher is not called).
+/// With `ONE`, the grid has a block for every `blockDim / 32 / split` units (`blocks` is not
+/// read) and each block runs one round, so no next round's chunks are held in registers
+/// (ptxas: attn_qkv packed 120 → 80, gemv_residual packed 95 → 72, f16 127 → 90; FFN down
+/// with f16 weights then takes its 448 units in one wave, 4 blocks an SM, not 3 and a second
+/// round).
 /// Every thread of the block must call it (with `split > 1` the meetings sync the block).
 /// Shared: 2 f32 per warp.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, F: FnOnce([f32; 2]), const VEC: bool>(
+pub(crate) fn gemv_units<
+    'a,
+    W: Weights + 'a,
+    T: Copy,
+    F: FnOnce([f32; 2]),
+    const VEC: bool,
+    const ONE: bool,
+>(
     held: impl FnOnce() -> (Held, T),
     n_chunks: u32,
     n_units: u32,
@@ -403,7 +415,7 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, F: FnOnce([f32; 2]), cons
         thread().min(per_block - 1)
     };
     while first < n_units {
-        let (next_a, next_b) = load(first + stride);
+        let next = (!ONE).then(|| load(first + stride));
         let finish = out((first + mine).min(n_units - 1), t);
         // A select, as a branch around the products would have LLVM sink the loads into it.
         let dot = |ch: &W::Chunk| warp_sum(if live { W::dot(ch, &x) } else { 0.0 });
@@ -413,7 +425,8 @@ pub(crate) fn gemv_units<'a, W: Weights + 'a, T: Copy, F: FnOnce([f32; 2]), cons
                 finish(sums)
             }
         });
-        (a, b) = (next_a, next_b);
+        let Some(next) = next else { break };
+        (a, b) = next;
         first += stride;
     }
 }
@@ -472,7 +485,7 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
         }
     };
     let units = n_out.div_ceil(2);
-    gemv_units::<W, (), _, VEC>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
+    gemv_units::<W, (), _, VEC, false>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
 }
 
 /// Where the `split` warps of each GEMV unit meet: `out(unit, sums)` runs once for each unit

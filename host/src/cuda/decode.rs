@@ -404,15 +404,15 @@ impl Device {
         // Units are pairs of rows. Packed weights: few blocks of many units, which the kernel
         // serves from one staged copy of v each (H100, decode +2.8%: FFN down 448 blocks ->
         // 112, wo 224 -> 112). Plain floats as before: f16's wo so staged was -3.4% (its 1.6
-        // MB of weights want every SM's loads), and its down cannot take its units in one
-        // round at its registers.
+        // MB of weights want every SM's loads).
         let name = family_kernel(WHAT, w.ty());
         let g = if family(w.ty()) == "packed" {
             self.staged_geometry(&name, n_out.div_ceil(2), split, n_in)?
         } else {
             self.geometry(n_out.div_ceil(2), split, 0)?
         };
-        let cfg = self.strided_launch(&name, &g)?;
+        // A block for every unit: the kernel runs one round.
+        let cfg = self.gemv_launch(&name, &g, g.blocks)?;
         let s = self.stream();
         let (yp, _y) = y.device_ptr_mut(s);
         let (vp, _v) = v.device_ptr(s);
