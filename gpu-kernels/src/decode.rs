@@ -255,9 +255,9 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
 /// place on the residual stream. Units are pairs of rows. For packed weights each block stages
 /// `v` once in shared memory for all its units (so that few blocks of many units read few
-/// copies of it). Grid: a block for every
-/// `blockDim / 32 / split` units, one round (`gemv_units`' `ONE`); block: a multiple of
-/// `32·split` threads; shared: 2 f32 per warp, or for packed weights as `matmul::stage` says.
+/// copies of it). Grid: a block for every `blockDim / 32 / split` units, each one round
+/// (`gemv_units`' `ONE`); block: a multiple of `32·split` threads; shared: 2 f32 per warp, or
+/// for packed weights as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemv_residual_family<const F: u32>(

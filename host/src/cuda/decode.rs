@@ -411,7 +411,7 @@ impl Device {
         } else {
             self.geometry(n_out.div_ceil(2), split, 0)?
         };
-        // A block for every unit: the kernel runs one round.
+        // A block for every `per_block` units, each one round (the kernel holds no next one).
         let cfg = self.gemv_launch(&name, &g, g.blocks)?;
         let s = self.stream();
         let (yp, _y) = y.device_ptr_mut(s);
