@@ -167,7 +167,7 @@ pub struct Chunk {
 
 #[repr(C, align(16))]
 #[derive(Clone, Copy)]
-pub(crate) struct U32x4(pub(crate) [u32; 4]);
+struct U32x4([u32; 4]);
 
 /// A `[rows, n_in]` matrix of packing `P` at `w` (16-byte aligned): its sections' addresses as
 /// `orcd::pack::layout` places them.
