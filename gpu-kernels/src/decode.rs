@@ -7,8 +7,8 @@
 //! - `ffn_gate_up`: RMSNorm and SwiGLU's `silu(w_gate·x)·(w_up·x)`;
 //! - `gemv_residual`: `y += w·v + bias`, the attention output and FFN down projections;
 //! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max;
-//! - `logit_bounds` and `argmax_bounded` (`_packed` for q8_0, `_f16`): greedy decoding's arg-max
-//!   of a vocabulary projection in two passes, the first bounding every logit from the top bits
+//! - `logit_bounds` and `argmax_bounded` (`_q8_0`, `_f16`): greedy decoding's arg-max of a
+//!   vocabulary projection in two passes, the first bounding every logit from the top bits
 //!   of its weights (q8_0: 22 of each chunk's 34 bytes; f16: the high bytes), the second
 //!   computing only the rows that can win.
 //!
@@ -277,7 +277,7 @@ unsafe fn gemv_residual_family<const F: u32>(
         let units = n_out.div_ceil(2);
         // Staged where the host launches few blocks of many units (packed weights); else each
         // lane loads its own chunk, with no barrier for its loads to wait behind.
-        let staged = F == family::PACKED;
+        let staged = family::serves(family::PACKED, F);
         let held = || {
             if staged {
                 stage::<W>(v, None, n_in);
@@ -726,9 +726,8 @@ unsafe fn argmax_bounded<W: Weights>(
     grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
 }
 
-
-/// The entry points of the bounded arg-max's two passes: `<pass>_packed` for q8_0 (the only
-/// packed type it serves), `<pass>_f16` for f16.
+/// The entry points of the bounded arg-max's two passes, one per type it serves:
+/// `<pass>_q8_0` and `<pass>_f16`.
 macro_rules! bounded_kernels {
     ($($sketch:ty => $bounds:ident, $argmax:ident;)*) => {$(
         #[unsafe(no_mangle)]
@@ -758,24 +757,21 @@ macro_rules! bounded_kernels {
 }
 
 bounded_kernels! {
-    Q8Sketch => logit_bounds_packed, argmax_bounded_packed;
+    Q8Sketch => logit_bounds_q8_0, argmax_bounded_q8_0;
     F16Sketch => logit_bounds_f16, argmax_bounded_f16;
 }
 
 /// The entry points of a decode kernel `$body`, one per weight family (`matmul::family`): the
 /// kernel `<body>_<family>` serves the types of that family.
 macro_rules! family_kernels {
-    ($body:ident($($arg:ident: $t:ty),* $(,)?) => $packed:ident, $f32:ident, $f16:ident, $bf16:ident) => {
-        family_kernels!(@one $body($($arg: $t),*) $packed family::PACKED);
-        family_kernels!(@one $body($($arg: $t),*) $f32 family::F32);
-        family_kernels!(@one $body($($arg: $t),*) $f16 family::F16);
-        family_kernels!(@one $body($($arg: $t),*) $bf16 family::BF16);
+    ($body:ident $args:tt => $($name:ident $fam:ident),*) => {
+        $(family_kernels!(@one $body $args $name $fam);)*
     };
-    (@one $body:ident($($arg:ident: $t:ty),*) $name:ident $fam:expr) => {
+    (@one $body:ident ($($arg:ident: $t:ty),* $(,)?) $name:ident $fam:ident) => {
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "gpu-kernel" fn $name($($arg: $t),*) {
-            unsafe { $body::<{ $fam }>($($arg),*) }
+            unsafe { $body::<{ family::$fam }>($($arg),*) }
         }
     };
 }
@@ -786,20 +782,26 @@ family_kernels!(attn_qkv_family(
     bk: *const f32, wv: *const u8, ty_v: u32, bv: *const f32, pos: *const u32,
     rope: *const f32, n_in: u32, n_heads: u32, n_kv: u32, head_dim: u32, max_pos: u32,
     q_blocks: u32, kv_blocks: u32, split: u32,
-) => attn_qkv_packed, attn_qkv_f32, attn_qkv_f16, attn_qkv_bf16);
+) => attn_qkv_legacy LEGACY, attn_qkv_kquant KQUANT, attn_qkv_f32 F32, attn_qkv_f16 F16,
+    attn_qkv_bf16 BF16,
+    // q, k and v of both packed families in one layer.
+    attn_qkv_packed PACKED);
 
 family_kernels!(ffn_gate_up_family(
     h: *mut f32, x: *const f32, norm: *const f32, eps: f32, w_gate: *const u8,
     w_up: *const u8, ty: u32, n_in: u32, n_out: u32, split: u32,
-) => ffn_gate_up_packed, ffn_gate_up_f32, ffn_gate_up_f16, ffn_gate_up_bf16);
+) => ffn_gate_up_legacy LEGACY, ffn_gate_up_kquant KQUANT, ffn_gate_up_f32 F32,
+    ffn_gate_up_f16 F16, ffn_gate_up_bf16 BF16);
 
 family_kernels!(gemv_residual_family(
     y: *mut f32, v: *const f32, w: *const u8, ty: u32, bias: *const f32, n_in: u32,
     n_out: u32, split: u32,
-) => gemv_residual_packed, gemv_residual_f32, gemv_residual_f16, gemv_residual_bf16);
+) => gemv_residual_legacy LEGACY, gemv_residual_kquant KQUANT, gemv_residual_f32 F32,
+    gemv_residual_f16 F16, gemv_residual_bf16 BF16);
 
 family_kernels!(logits_family(
     logits: *mut f32, x: *const f32, norm: *const f32, eps: f32, w: *const u8, ty: u32,
     n_in: u32, n_out: u32, split: u32, best: *mut u32, scratch: *mut u64, tokens: *mut u32,
     n_tokens: u32, pos: *mut u32, step: *mut u64,
-) => logits_packed, logits_f32, logits_f16, logits_bf16);
+) => logits_legacy LEGACY, logits_kquant KQUANT, logits_f32 F32, logits_f16 F16,
+    logits_bf16 BF16);

@@ -30,7 +30,7 @@ pub fn argmax(x: &[f32]) -> u32 {
     bi
 }
 
-/// Twin of the greedy arg-max's first pass over a q8_0 matrix (`logit_bounds_packed`): for
+/// Twin of the greedy arg-max's first pass over a q8_0 matrix (`logit_bounds_q8_0`): for
 /// each row of `w` (the file's blocks, rows of `xn.len()`), `(e, r)` such that its logit
 /// `w[r]·xn` lies within `e ± r`: `e` takes the low 3 bits of each quant `q + 128` as 3.5, the
 /// middle of 0..=7, and `r = 3.5·Σ|d|·Σ|xn|` over the row's blocks. In f64.

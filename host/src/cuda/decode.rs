@@ -50,15 +50,22 @@ fn split_of(n_in: usize, what: &str) -> Result<u32> {
     })
 }
 
-/// The kernel family of `ty` (gpu-kernels' `matmul::family`): its plain float type, or
-/// "packed" for the quantized types.
+/// The kernel family of `ty` (gpu-kernels' `matmul::family`): its plain float type, or for the
+/// quantized types "legacy" (blocks of 32 weights) or "kquant" (super-blocks of 256).
 fn family(ty: GgmlType) -> &'static str {
+    use GgmlType::*;
     match ty {
-        GgmlType::F32 => "f32",
-        GgmlType::F16 => "f16",
-        GgmlType::BF16 => "bf16",
-        _ => "packed",
+        F32 => "f32",
+        F16 => "f16",
+        BF16 => "bf16",
+        Q4_0 | Q5_0 | Q8_0 => "legacy",
+        Q4K | Q5K | Q6K => "kquant",
     }
+}
+
+/// Whether `ty` is a quantized (packed) type.
+fn packed(ty: GgmlType) -> bool {
+    ty.block_elems() > 1
 }
 
 /// The decode kernel `base` built for the family of `ty` (one build per family keeps each
@@ -271,13 +278,18 @@ impl Device {
                 &format!("attn_qkv {name}: bias and rows"),
             )?;
         }
-        let name = family_kernel(WHAT, qkv[0].0.ty());
-        if qkv.iter().any(|(w, _)| family_kernel(WHAT, w.ty()) != name) {
+        // One family, or the build of both packed ones.
+        let tys = qkv.map(|(w, _)| w.ty());
+        let name = if tys.iter().all(|t| family(*t) == family(tys[0])) {
+            family_kernel(WHAT, tys[0])
+        } else if tys.iter().all(|t| packed(*t)) {
+            format!("{WHAT}_packed")
+        } else {
             return Err(Error::Invalid(format!(
                 "attn_qkv: q, k and v ({}) must be all quantized or all of one float type",
-                qkv.map(|(w, _)| w.ty().name()).join(", ")
+                tys.map(|t| t.name()).join(", ")
             )));
-        }
+        };
         // Units: pairs of rows that RoPE rotates together (v's paired the same way).
         let (q_pairs, kv_pairs) = (q.len() / 2, kv_dim / 2);
         let g = self.geometry(q_pairs + 2 * kv_pairs, split, n_in)?;
@@ -406,7 +418,7 @@ impl Device {
         // 112, wo 224 -> 112). Plain floats as before: f16's wo so staged was -3.4% (its 1.6
         // MB of weights want every SM's loads).
         let name = family_kernel(WHAT, w.ty());
-        let g = if family(w.ty()) == "packed" {
+        let g = if packed(w.ty()) {
             self.staged_geometry(&name, n_out.div_ceil(2), split, n_in)?
         } else {
             self.geometry(n_out.div_ceil(2), split, 0)?
@@ -603,7 +615,7 @@ impl Device {
     fn bounds_launch(&self, w: &GpuMatrix) -> Result<LaunchConfig> {
         let split = split_of(w.n_in(), "logit_bounds")?;
         let g = self.geometry(w.rows().div_ceil(4), split, w.n_in())?;
-        self.strided_launch(&family_kernel("logit_bounds", w.ty()), &g)
+        self.strided_launch(&format!("logit_bounds_{}", w.ty().name()), &g)
     }
 
     /// What `logits` with `best` gives in `best`'s words (the same token, and the same end
@@ -651,7 +663,7 @@ impl Device {
         let (pp, _p) = b.plane.device_ptr(s);
         let (up, _u) = b.upper.device_ptr_mut(s);
         let (lp, _l) = b.lower.device_ptr_mut(s);
-        let mut l = self.launch(&family_kernel("logit_bounds", w.ty()));
+        let mut l = self.launch(&format!("logit_bounds_{}", w.ty().name()));
         l.arg(&up).arg(&lp).arg(&xp).arg(&np).arg(&eps);
         l.arg(&wp).arg(&pp).arg(&n_in).arg(&n_out);
         // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
@@ -668,7 +680,7 @@ impl Device {
             blocks: self.sm_count()?,
             shared: gemv_shared(32 * MAX_WARPS, n_in as usize)?,
         };
-        let name = family_kernel(WHAT, w.ty());
+        let name = format!("{WHAT}_{}", w.ty().name());
         let second = self.gemv_launch(&name, &g, g.blocks)?;
         let (op, _o) = out.device_ptr_mut(s);
         let (sp, _s) = scratch.device_ptr_mut(s);

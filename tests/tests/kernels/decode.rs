@@ -420,12 +420,14 @@ fn attn_qkv_matches_cpu() {
     let mut rng = Rng::new(31);
     use GgmlType::*;
     // (types of q, k, v, n_in, heads, kv heads, head_dim): the model's, f16, K-quants
-    // (rows of whole 256-blocks), a row long enough to split over 4 warps, then every type at
-    // an odd shape (head_dim 10: pairs that are no power of two).
+    // (rows of whole 256-blocks), both packed families in one layer (the kernel built for
+    // all packed types), a row long enough to split over 4 warps, then every type at an odd
+    // shape (head_dim 10: pairs that are no power of two).
     let mut cases = vec![
         ([Q5_0, Q5_0, Q8_0], 896, 14, 2, 64),
         ([F16, F16, F16], 896, 14, 2, 64),
         ([Q4K, Q6K, Q5K], 1024, 8, 2, 64),
+        ([Q5_0, Q4K, Q8_0], 1024, 8, 2, 64),
         ([Q8_0, Q5_0, Q4_0], 3584, 4, 1, 128),
     ];
     cases.extend(TYPES.map(|ty| ([ty, ty, ty], 256, 3, 1, 10)));
