@@ -701,3 +701,31 @@ impl Device {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every decode kernel the host names for a type is in both PTX builds (a missing one
+    /// would panic at its first launch). Reads the embedded PTX: no GPU needed.
+    #[test]
+    fn every_decode_kernel_named_is_in_the_ptx() {
+        for ptx in [crate::PTX, crate::PTX_SM90] {
+            let entries: Vec<&str> = ptx.lines().filter_map(super::super::entry_name).collect();
+            let mut names = vec!["attn_qkv_packed".to_string()];
+            for ty in GgmlType::ALL {
+                for base in ["attn_qkv", "ffn_gate_up", "gemv_residual", "logits"] {
+                    names.push(family_kernel(base, ty));
+                }
+                if BoundedArgmax::applies(ty, 896) {
+                    for pass in ["logit_bounds", "argmax_bounded"] {
+                        names.push(format!("{pass}_{}", ty.name()));
+                    }
+                }
+            }
+            for name in names {
+                assert!(entries.contains(&name.as_str()), "{name} is not in the PTX");
+            }
+        }
+    }
+}
