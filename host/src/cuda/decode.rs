@@ -63,6 +63,12 @@ fn family(ty: GgmlType) -> &'static str {
     }
 }
 
+/// The bounded arg-max's kernel for pass `pass` over a matrix of `ty`: built once per type it
+/// serves (q8_0, f16), not per family.
+fn bounded_kernel(pass: &str, ty: GgmlType) -> String {
+    format!("{pass}_{}", ty.name())
+}
+
 /// Whether `ty` is a quantized (packed) type.
 fn packed(ty: GgmlType) -> bool {
     ty.block_elems() > 1
@@ -615,7 +621,7 @@ impl Device {
     fn bounds_launch(&self, w: &GpuMatrix) -> Result<LaunchConfig> {
         let split = split_of(w.n_in(), "logit_bounds")?;
         let g = self.geometry(w.rows().div_ceil(4), split, w.n_in())?;
-        self.strided_launch(&format!("logit_bounds_{}", w.ty().name()), &g)
+        self.strided_launch(&bounded_kernel("logit_bounds", w.ty()), &g)
     }
 
     /// What `logits` with `best` gives in `best`'s words (the same token, and the same end
@@ -663,7 +669,7 @@ impl Device {
         let (pp, _p) = b.plane.device_ptr(s);
         let (up, _u) = b.upper.device_ptr_mut(s);
         let (lp, _l) = b.lower.device_ptr_mut(s);
-        let mut l = self.launch(&format!("logit_bounds_{}", w.ty().name()));
+        let mut l = self.launch(&bounded_kernel("logit_bounds", w.ty()));
         l.arg(&up).arg(&lp).arg(&xp).arg(&np).arg(&eps);
         l.arg(&wp).arg(&pp).arg(&n_in).arg(&n_out);
         // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
@@ -680,7 +686,7 @@ impl Device {
             blocks: self.sm_count()?,
             shared: gemv_shared(32 * MAX_WARPS, n_in as usize)?,
         };
-        let name = format!("{WHAT}_{}", w.ty().name());
+        let name = bounded_kernel(WHAT, w.ty());
         let second = self.gemv_launch(&name, &g, g.blocks)?;
         let (op, _o) = out.device_ptr_mut(s);
         let (sp, _s) = scratch.device_ptr_mut(s);
@@ -719,7 +725,7 @@ mod tests {
                 }
                 if BoundedArgmax::applies(ty, 896) {
                     for pass in ["logit_bounds", "argmax_bounded"] {
-                        names.push(format!("{pass}_{}", ty.name()));
+                        names.push(bounded_kernel(pass, ty));
                     }
                 }
             }
