@@ -267,43 +267,43 @@ fn staging() -> *mut f32 {
 pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) -> f32 {
     let (at, groups) = (staging(), n as usize / 4);
     // Groups of 4 elements, 8 a chunk; a thread takes groups `thread() + k·blockDim`, so each
-    // half chunk is 4 neighbouring lanes, which add up their sums by two shuffles.
+    // half chunk is 4 neighbouring lanes, which add up their sums by two shuffles. A pass takes
+    // two groups a thread, both loaded before either is used: one L2 round trip where a block
+    // has fewer threads than groups (FFN down's 4864 floats over 640).
     let (mut ss, mut first) = (0.0, 0);
     while first < groups {
-        let i = first + thread() as usize;
-        let live = i < groups;
+        let i = [0, 1].map(|j| first + thread() as usize + j * block_dim() as usize);
         // Dead groups load the last one again (in bounds) and count zeros.
-        let k = 4 * i.min(groups - 1);
-        let (mut v, g4) = unsafe {
-            (
-                (*(x.add(k) as *const F32x4)).0,
-                // A constant at every call site once inlined: no branch in the loop.
-                match g {
-                    Some(g) => (*(g.add(k) as *const F32x4)).0,
-                    None => [1.0; 4],
-                },
-            )
-        };
-        // Indexed: LLVM keeps a zip of the two arrays on the stack, in local memory.
-        for j in 0..4 {
-            if live {
-                ss = fma(v[j], v[j], ss);
-            }
-            v[j] *= g4[j];
-        }
-        let sum = warp_sum4(if live {
-            (v[0] + v[1]) + (v[2] + v[3])
-        } else {
-            0.0
+        let k = i.map(|i| 4 * i.min(groups - 1));
+        let v = k.map(|k| unsafe { (*(x.add(k) as *const F32x4)).0 });
+        // A constant at every call site once inlined: no branch in the loop.
+        let g4 = k.map(|k| match g {
+            Some(g) => unsafe { (*(g.add(k) as *const F32x4)).0 },
+            None => [1.0; 4],
         });
-        if live {
-            let c = unsafe { at.add(STAGED * (i / 8)) };
-            unsafe { *(c.add(4 * (i % 8)) as *mut F32x4) = F32x4(v.map(|v| v * W::X_SCALE)) };
-            if i % 4 == 0 {
-                unsafe { *c.add(32 + i % 8 / 4) = sum };
+        for j in 0..2 {
+            let (i, live, mut v) = (i[j], i[j] < groups, v[j]);
+            // Indexed: LLVM keeps a zip of the two arrays on the stack, in local memory.
+            for e in 0..4 {
+                if live {
+                    ss = fma(v[e], v[e], ss);
+                }
+                v[e] *= g4[j][e];
+            }
+            let sum = warp_sum4(if live {
+                (v[0] + v[1]) + (v[2] + v[3])
+            } else {
+                0.0
+            });
+            if live {
+                let c = unsafe { at.add(STAGED * (i / 8)) };
+                unsafe { *(c.add(4 * (i % 8)) as *mut F32x4) = F32x4(v.map(|v| v * W::X_SCALE)) };
+                if i % 4 == 0 {
+                    unsafe { *c.add(32 + i % 8 / 4) = sum };
+                }
             }
         }
-        first += block_dim() as usize;
+        first += 2 * block_dim() as usize;
     }
     ss
 }
