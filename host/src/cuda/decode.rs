@@ -425,8 +425,8 @@ impl Device {
         let n_out32 = u32_of(n_out, WHAT)?;
         // Units are pairs of rows. Packed weights: few blocks of many units, which the kernel
         // serves from one staged copy of v each (H100, decode +2.8%: FFN down 448 blocks ->
-        // 112, wo 224 -> 112). Plain floats as before: f16's wo so staged was -3.4% (its 1.6
-        // MB of weights want every SM's loads).
+        // 112, wo 224 -> 112; wo since in 56, `staged_geometry`'s least block). Plain floats as
+        // before: f16's wo so staged was -3.4% (its 1.6 MB of weights want every SM's loads).
         let name = family_kernel(WHAT, w.ty());
         let g = if packed(w.ty()) {
             self.staged_geometry(&name, n_out.div_ceil(2), split, n_in)?
