@@ -13,6 +13,11 @@ use crate::{Error, Result};
 
 /// Most warps in a block (a unit's `split` warps may make more).
 const MAX_WARPS: u32 = 8;
+
+/// Units of `split` warps in a block of `MAX_WARPS` warps: one where a unit has more than half.
+fn full_block_units(split: u32) -> u32 {
+    (MAX_WARPS / split).max(1)
+}
 /// Where every vector must start: the kernels read them by 16-byte loads.
 const ALIGN: u64 = 16;
 
@@ -146,12 +151,12 @@ impl Device {
         Ok(n.max(1) as u32)
     }
 
-    /// `MAX_WARPS / split` units per block (at least one), fewer while that leaves SMs
+    /// `full_block_units` per block, fewer while that leaves SMs
     /// without a block: the small matrices (k and v have 64 units) then still spread over the
     /// GPU. The kernel stages a vector of `staged` (0: none) in shared memory (`gemv_shared`).
     pub(super) fn geometry(&self, units: usize, split: u32, staged: usize) -> Result<Geometry> {
         let sms = self.sm_count()? as usize;
-        let mut per_block = (MAX_WARPS / split).max(1);
+        let mut per_block = full_block_units(split);
         while per_block > 1 && units.div_ceil(per_block as usize) < sms {
             per_block /= 2;
         }
@@ -166,8 +171,8 @@ impl Device {
 
     /// For GEMV kernel `name` whose blocks stage the vector (`staged` long) in shared memory
     /// once for all their units: as many units per block as leave one block per SM, or where
-    /// such blocks do not fit (the kernel's registers), two, three or four, but never blocks of
-    /// fewer than `MAX_WARPS` warps; else `geometry`'s. The fewer the blocks, the fewer the
+    /// such blocks do not fit (the kernel's registers), two, three or four, but never fewer than
+    /// `full_block_units`; else `geometry`'s. The fewer the blocks, the fewer the
     /// copies of the vector read from L2 (rows of 4864 floats, FFN down: 448 blocks read 8.7 MB
     /// of it, 112 blocks 2.2 MB); and a small matrix does better on fewer SMs in larger blocks
     /// than on every SM (H100, wo: 56 blocks of 8 warps +1.5% decode over 112 of 4).
@@ -184,7 +189,7 @@ impl Device {
         for per_sm in 1..=4 {
             let per_block = units
                 .div_ceil(sms * per_sm as usize)
-                .max((MAX_WARPS / split).max(1) as usize);
+                .max(full_block_units(split) as usize);
             if 32 * split as usize * per_block > 1024 {
                 continue;
             }
@@ -425,7 +430,7 @@ impl Device {
         let n_out32 = u32_of(n_out, WHAT)?;
         // Units are pairs of rows. Packed weights: few blocks of many units, which the kernel
         // serves from one staged copy of v each (H100, decode +2.8%: FFN down 448 blocks ->
-        // 112, wo 224 -> 112; wo since in 56, `staged_geometry`'s least block). Plain floats as
+        // 112, wo 224 -> 112; wo now 56, `staged_geometry`'s smallest blocks). Plain floats as
         // before: f16's wo so staged was -3.4% (its 1.6 MB of weights want every SM's loads).
         let name = family_kernel(WHAT, w.ty());
         let g = if packed(w.ty()) {
