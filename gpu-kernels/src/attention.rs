@@ -12,11 +12,12 @@
 //! model), and `D = 128` without for everything else (any head_dim 1..=128): the prefill
 //! kernel picks at run time, the decode kernel is two (`attention_decode_hd64` and
 //! `attention_decode`) and the host picks.
-use core::arch::{asm, nvptx};
+use core::arch::nvptx;
 
+use crate::matmul::Vector;
 use crate::util::{
-    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, count_last, exp, fma,
-    from_lane,
+    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, exp, exp_wide, fma,
+    red_add_f64,
     grid_dim, ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
     wait_prior_grids, warp_max, warp_sum,
 };
@@ -25,7 +26,7 @@ use crate::util::{
 const THREADS: u32 = 256;
 /// Keys of one tile: one per lane (decode), one warp's share of a round (prefill).
 const TILE_KEYS: u32 = 32;
-/// Most key slices the decode kernel's combine takes (its grid's y).
+/// Most key slices of the decode kernel (its grid's y).
 const MAX_SPLITS: u32 = 64;
 /// Keys up to which each block of the decode kernel has one tile at most (with `MAX_SPLITS`
 /// slices, as the host launches it).
@@ -108,13 +109,6 @@ unsafe extern "C" {
     fn shfl_bfly_f32(mask: u32, v: f32, lane_mask: u32, clamp: u32) -> f32;
     #[link_name = "llvm.nvvm.bar.warp.sync"]
     fn bar_warp_sync(mask: u32);
-}
-
-/// Brings the line of `p` (global memory) into L1: the compiler may place a load long after
-/// it is written, but not a prefetch, which has no result to wait for.
-#[inline(always)]
-fn prefetch_l1(p: *const f32) {
-    unsafe { asm!("prefetch.global.L1 [{0}];", in(reg64) p, options(nostack, readonly)) };
 }
 
 /// Lane `lane ^ m`'s `v` (the whole warp calls it).
@@ -224,13 +218,11 @@ macro_rules! decode_kernel {
         #[unsafe(no_mangle)]
         #[allow(clippy::too_many_arguments)]
         pub unsafe extern "gpu-kernel" fn $name(
-            out: *mut f32,
+            sums: *mut f64,
             q: *const f32,
             k_cache: *const f32,
             v_cache: *const f32,
             pos: *const u32,
-            partials: *mut f32,
-            counters: *mut u32,
             n_heads: u32,
             n_kv: u32,
             head_dim: u32,
@@ -240,7 +232,7 @@ macro_rules! decode_kernel {
             if $vec && head_dim != $d {
                 unsafe { nvptx::trap() };
             }
-            let a = (out, q, k_cache, v_cache, pos, partials, counters);
+            let a = (sums, q, k_cache, v_cache, pos);
             unsafe { decode::<$d, $dpl, $vec>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
         }
     };
@@ -248,16 +240,17 @@ macro_rules! decode_kernel {
 
 decode_kernel!(
     /// Split-K ("flash-decoding") attention of one query row `q = [n_heads * head_dim]` at
-    /// position `pos[0]` over keys `0..=pos[0]`, into `out = [n_heads * head_dim]`. `scale` =
-    /// 1/sqrt(head_dim), head_dim <= 128.
+    /// position `pos[0]` over keys `0..=pos[0]`, added into `sums = [n_heads * head_dim +
+    /// n_heads]` f64, zero before the launch, unnormalised (see [`Sums`]): `sums[h * head_dim
+    /// + d]` gets `sum_j e^(s_j - r_h) v_j[d]` and `sums[n_heads * head_dim + h]` gets `sum_j
+    /// e^(s_j - r_h)`, over the keys `j` with scores `s_j = q_h·k_j * scale`, for a reference
+    /// `r_h`: head h's score of key `pos[0]`, its own token's. `scale` = 1/sqrt(head_dim),
+    /// head_dim <= 128.
     ///
     /// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
     /// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
     /// over slice `s` of the keys, so each K/V row is read once for all of them. Block: 256
-    /// threads. Shared: 38,400 bytes (the `D = 128` path's; the other needs less). Scratch:
-    /// `partials = [n_heads, splits, 4 + ceil4(head_dim)]` f32 (per head and slice: max `m`,
-    /// sum `l`, two unused, then the unnormalised output) and `counters = [n_heads]` u32,
-    /// zero before the first launch (and left zero by every launch).
+    /// threads. Shared: 38,400 bytes (the `D = 128` path's; the other needs less).
     ///
     /// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
     /// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on
@@ -265,40 +258,61 @@ decode_kernel!(
     /// have nothing to do and leave at once. Per tile (its K and V staged in shared memory by
     /// 16-byte loads, the next tile's loads in flight during the current one's math), lane `i`
     /// of each warp scores key `i` against its head's query, and the warp updates the head's
-    /// online softmax and its output dims `D/32` per lane. Each warp stores its head's
-    /// partials and counts them on the head's own counter; the head's last warp to count (of
-    /// the slices in use) combines the head's partials into `out` in a fixed order (so the
-    /// result does not depend on which warp came last) and zeroes the count for the next
-    /// launch. No block barrier after the tiles: a head combines as soon as its slices are in.
+    /// online softmax (max `m`, sum `l`) and its output dims `D/32` per lane. Then each warp
+    /// adds its slice's share, `e^(m - r_h)` times its `l` and outputs, into the sums by
+    /// `red.add.f64` and leaves: no slice waits for another, and the slices need no common
+    /// max. The one reference keeps every slice's terms on one scale, and f64 holds them: the
+    /// sum includes key `pos[0]`'s `e^0 = 1`, so it never underflows, and only a key scoring
+    /// more than ~709 above the query's own overflows it (the head's output is then not
+    /// finite; the default model's largest such gap over a long generation is ~33). The
+    /// order of the additions varies from launch to launch, at f64's rounding.
     attention_decode => 128, 4, false
 );
 
 decode_kernel!(
-    /// `attention_decode` for `head_dim` 64 with `out`, `q`, the caches and `partials` 16-byte
-    /// aligned (the host checks; traps on another head_dim): 16-byte loads throughout. A kernel
-    /// of its own, so that it has only the registers its path needs (the generic path's combine
-    /// holds twice as many), and its blocks fit on an SM beside the kernels before and after it.
+    /// `attention_decode` for `head_dim` 64 with `sums`, `q` and the caches 16-byte aligned
+    /// (the host checks; traps on another head_dim): 16-byte loads throughout, and only the
+    /// registers its path needs.
     attention_decode_hd64 => 64, 2, true
 );
 
-type DecodePtrs = (
-    *mut f32,
-    *const f32,
-    *const f32,
-    *const f32,
-    *const u32,
-    *mut f32,
-    *mut u32,
-);
+/// The decode kernel's output as a GEMV's input vector (`matmul::Vector`): element `k` of
+/// `n = n_heads * head_dim` is `sums[k] / sums[n + k / head_dim]`, the head's output over its
+/// softmax's sum, in f64 (whose range the sums may need), rounded to f32. `head_dim % 4 == 0`
+/// and `sums` 16-byte aligned, so that each 4 elements are one head's.
+#[derive(Clone, Copy)]
+pub(crate) struct Sums {
+    pub(crate) sums: *const f64,
+    pub(crate) n: u32,
+    pub(crate) head_dim: u32,
+}
+
+impl Vector for Sums {
+    #[inline(always)]
+    fn load4(self, k: usize) -> [f32; 4] {
+        #[repr(C, align(16))]
+        #[derive(Clone, Copy)]
+        struct F64x2([f64; 2]);
+        let [a, b] = [k, k + 2].map(|k| unsafe { *(self.sums.add(k) as *const F64x2) }.0);
+        let inv = 1.0 / unsafe { *self.sums.add(self.n as usize + k / self.head_dim as usize) };
+        [a[0], a[1], b[0], b[1]].map(|x| (x * inv) as f32)
+    }
+
+    #[inline(always)]
+    fn load(self, k: usize) -> f32 {
+        let l = unsafe { *self.sums.add(self.n as usize + k / self.head_dim as usize) };
+        (unsafe { *self.sums.add(k) } / l) as f32
+    }
+}
+
+type DecodePtrs = (*mut f64, *const f32, *const f32, *const f32, *const u32);
 
 /// `attention_decode` for head dims padded to `D` (see the module's doc). `DPL = D / 32`: the
 /// output dims per lane, `lane * DPL..`; also the K (and V) units of 4 floats a thread stages
 /// per tile (32 keys of `D / 4` units over 256 threads).
 #[inline(always)]
-// The combine's unrolled batches: the last one's update of the running max is not read.
-#[allow(unused_assignments)]
 unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
-    (out, q, k_cache, v_cache, pos, partials, counters): DecodePtrs,
+    (sums, q, k_cache, v_cache, pos): DecodePtrs,
     (n_heads, n_kv, head_dim, max_pos, scale): (u32, u32, u32, u32, f32),
 ) {
     const { assert!(D == 32 * DPL) };
@@ -317,8 +331,6 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
         kv_off: (kvh * hd) as usize,
         hd,
     };
-    // This lane's output dims hold data (in the partials' rows).
-    let lane_live = VEC || lane * (DPL as u32) < hd;
 
     let smem = shared::<F32x4>() as *mut f32;
     let ks = smem; // [32][D + 4]: + 4 so that lane-per-key 16-byte reads hit distinct banks
@@ -385,6 +397,27 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
         })
     };
     unsafe { store_n(my_q.add(d0 as usize), qv) };
+    // Key `p0`'s dims of this lane, for the reference score.
+    let own = unsafe { kv.k.add(p0 as usize * kv.kv_dim + kv.kv_off + d0 as usize) };
+    let k_own: [f32; DPL] = if VEC {
+        unsafe { load_n::<DPL>(own) }
+    } else {
+        core::array::from_fn(|i| {
+            if d0 + (i as u32) < hd {
+                unsafe { *own.add(i) }
+            } else {
+                0.0
+            }
+        })
+    };
+
+    // The reference: the head's score of key p0, the same in every slice (the same products,
+    // added in the same order).
+    let mut s_own = 0.0f32;
+    for i in 0..DPL {
+        s_own = fma(qv[i], k_own[i], s_own);
+    }
+    let s_own = warp_sum(s_own) * scale;
 
     let (mut m, mut l, mut acc) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; DPL]);
     // Every thread runs the same tiles: the barriers are reached by all.
@@ -450,112 +483,19 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
         sync_threads();
     }
 
-    // Partial rows: [m, l, -, -, acc[ceil4(hd)]], 16-byte aligned.
-    let stride = (4 + hd.next_multiple_of(4)) as usize;
-    let part = |s: u32| unsafe { partials.add((h * splits + s) as usize * stride) };
-    if active {
-        let l = warp_sum(l);
-        let mine = part(split);
-        if lane == 0 {
-            unsafe { store_n(mine, [m, l]) };
-        }
-        if lane_live {
-            unsafe { store_n(mine.add(4 + d0 as usize), acc) };
-        }
-    }
-    // The warp's partials are written; lane 0 publishes them on head h's counter (its
-    // count's release orders the warp's writes, seen through the warp barrier, before it;
-    // the head's last count acquires the other slices' partials, which the lanes read after
-    // the next warp barrier). Warps of other heads do not wait for this one.
     if !active {
         return;
     }
-    sync_warp();
-    let mut last = 0u32;
+    let w = exp_wide(m - s_own);
+    let l = warp_sum(l);
+    let out = unsafe { sums.add((h * hd + d0) as usize) };
+    for (i, a) in acc.iter().enumerate() {
+        if VEC || d0 + (i as u32) < hd {
+            red_add_f64(unsafe { out.add(i) }, *a as f64 * w);
+        }
+    }
     if lane == 0 {
-        // SAFETY: the word is head h's counter in global memory, only used atomically while
-        // blocks of this launch run.
-        last = unsafe { count_last(counters.add(h as usize), used) } as u32;
-    }
-    if from_lane(last, 0) == 0 {
-        return;
-    }
-    sync_warp();
-
-    // out = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M) over the used slices (each has at
-    // least one key, so every m_s is finite), in a fixed order. A slice's row of acc takes
-    // `D / 4` lanes, 4 dims each (16-byte loads): with D = 64 the two half-warps take alternate
-    // slices and add up at the end. A lane loads the (m, l) and its acc of each of its slices,
-    // 32 slices at a time with every load issued before the first is used (few enough that
-    // the compiler keeps them so; indices clamped to a used slice, slices past `used` weigh
-    // 0); a second batch (more than 32 slices) rescales the first's sums to the larger max.
-    let lps = (D / 4) as u32;
-    let (group, dc) = (lane / lps, 4 * (lane % lps));
-    let groups = WARP / lps;
-    let dims_live = VEC || dc < hd;
-    let (mut max, mut sum, mut o) = (f32::NEG_INFINITY, 0.0f32, [0.0f32; 4]);
-    unroll!(b in 0..2, {
-        let s0 = 32 * b as u32;
-        if s0 < used {
-            let slice = |j: usize| s0 + groups * j as u32 + group;
-            let mut ml = [[0.0f32; 2]; 32];
-            let mut accs = [[0.0f32; 4]; 32];
-            unroll!(j in 0..D / 4; 32, {
-                let row = part(slice(j).min(used - 1));
-                ml[j] = unsafe { load_n::<2>(row) };
-                if dims_live {
-                    let at = unsafe { row.add(4 + dc as usize) };
-                    prefetch_l1(at);
-                    accs[j] = unsafe { load_n::<4>(at) };
-                }
-            });
-            // Selects, not branches: a branch would have the acc loads sunk past the max.
-            let m_at = |j: usize| {
-                if slice(j) < used {
-                    ml[j][0]
-                } else {
-                    f32::NEG_INFINITY
-                }
-            };
-            let mut m_new = max;
-            unroll!(j in 0..D / 4; 32, {
-                m_new = m_new.max(m_at(j));
-            });
-            if groups == 2 {
-                m_new = m_new.max(shfl_xor(m_new, 16));
-            }
-            // exp(-inf) = 0 for the first batch.
-            let c = exp(max - m_new);
-            sum *= c;
-            o = o.map(|o| o * c);
-            unroll!(j in 0..D / 4; 32, {
-                let w = exp(m_at(j) - m_new);
-                sum = fma(ml[j][1], w, sum);
-                for i in 0..4 {
-                    o[i] = fma(w, accs[j][i], o[i]);
-                }
-            });
-            max = m_new;
-        }
-    });
-    if groups == 2 {
-        sum += shfl_xor(sum, 16);
-        o = o.map(|o| o + shfl_xor(o, 16));
-    }
-    if group != 0 {
-        return;
-    }
-    let out = unsafe { out.add((h * hd + dc) as usize) };
-    let inv = 1.0 / sum;
-    let o = o.map(|o| o * inv);
-    if VEC {
-        unsafe { store_n(out, o) };
-    } else {
-        for (i, o) in o.iter().enumerate() {
-            if dc + (i as u32) < hd {
-                unsafe { *out.add(i) = *o };
-            }
-        }
+        red_add_f64(unsafe { sums.add((n_heads * hd + h) as usize) }, l as f64 * w);
     }
 }
 

@@ -3,9 +3,12 @@
 //!
 //! - `attn_qkv`: RMSNorm, the q, k and v projections with their biases, NeoX RoPE on q and k,
 //!   and k and v into row `pos[0]` of the KV cache (whose rows `0..=pos[0]` it also brings
-//!   into L2 for the attention kernel after it, below `ONE_TILE_KEYS` keys);
+//!   into L2 for the attention kernel after it, below `ONE_TILE_KEYS` keys), and zeroes the
+//!   sums that the attention adds into;
+//! - `attn_output`: `y += wo·v` with `v` the attention's sums normalised as they are loaded
+//!   (the attention's split-K combine), the attention output projection;
 //! - `ffn_gate_up`: RMSNorm and SwiGLU's `silu(w_gate·x)·(w_up·x)`;
-//! - `gemv_residual`: `y += w·v + bias`, the attention output and FFN down projections;
+//! - `gemv_residual`: `y += w·v + bias`, the FFN down projection;
 //! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max;
 //! - `logit_bounds` and `argmax_bounded` (`_q8_0`, `_f16`): greedy decoding's arg-max of a
 //!   vocabulary projection in two passes, the first bounding every logit from the top bits
@@ -32,8 +35,10 @@ use core::cell::Cell;
 use core::intrinsics::sqrtf32;
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::attention::ONE_TILE_KEYS;
-use crate::matmul::{Held, Plain, Weights, family, gemv_units, lane_chunk, stage, with_weights};
+use crate::attention::{ONE_TILE_KEYS, Sums};
+use crate::matmul::{
+    Held, Plain, Vector, Weights, family, gemv_units, lane_chunk, stage, with_weights,
+};
 use crate::quant::{Packed, Q8_0, RADIUS, TopChunk, prmt};
 use crate::sampling::end_step;
 use crate::util::{
@@ -73,7 +78,8 @@ fn bias_early(bias: *const f32, r: usize) -> f32 {
 /// `k_cache, v_cache = [max_pos, n_kv·head_dim]`, with `xn = rms_norm(x)·norm` (`n_in` long)
 /// and NeoX RoPE at position `pos[0]` from `rope = [positions, head_dim/2, 2]` (cos, sin).
 /// Traps when `pos[0] >= max_pos` (the smaller of the cache's and the table's positions).
-/// Each weight matrix has its own type id and may have a null bias.
+/// Each weight matrix has its own type id and may have a null bias. Also zeroes `sums =
+/// [n_heads·(head_dim + 1)]` f64, which `attention_decode` adds into next.
 ///
 /// Units are the rows `i` and `i + head_dim/2` of a head, which RoPE rotates together.
 /// Grid: `q_blocks + 2·kv_blocks`: the first `q_blocks` blocks compute q, the next `kv_blocks`
@@ -107,6 +113,7 @@ unsafe fn attn_qkv_family<const F: u32>(
     q_blocks: u32,
     kv_blocks: u32,
     split: u32,
+    sums: *mut f64,
 ) {
     let b = block();
     // (weights, type, bias, output, its row stride per position, heads, rotated, the matrix's
@@ -137,6 +144,13 @@ unsafe fn attn_qkv_family<const F: u32>(
         let w = W::new(w, heads * head_dim, n_in);
         // The position is read after the wait for the kernels before (it is theirs).
         let held = || {
+            // The attention's sums, after the wait: the kernel that last read them, the previous
+            // step's attn_output of this layer, has finished.
+            let mut i = (b * block_dim() + thread()) as usize;
+            while i < (n_heads * (head_dim + 1)) as usize {
+                unsafe { *sums.add(i) = 0.0 };
+                i += (grid_dim() * block_dim()) as usize;
+            }
             let p = unsafe { *pos };
             // The norm's loads fly with the position's; the check waits for both.
             let (x, s) = held_norm::<W>(x, norm, n_in, eps, split);
@@ -253,11 +267,7 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 }
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
-/// place on the residual stream. Units are pairs of rows. For packed weights each block stages
-/// `v` once in shared memory for all its units (so that few blocks of many units read few
-/// copies of it). Grid: a block for every `blockDim / 32 / split` units, each one round
-/// (`gemv_units`' `ONE`); block: a multiple of `32·split` threads; shared: 2 f32 per warp, or
-/// for packed weights as `matmul::stage` says.
+/// place on the residual stream. See `residual`.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn gemv_residual_family<const F: u32>(
@@ -270,14 +280,61 @@ unsafe fn gemv_residual_family<const F: u32>(
     n_out: u32,
     split: u32,
 ) {
+    unsafe { residual::<F, false>(y, v, w, ty, bias, n_in, n_out, split) }
+}
+
+/// `y[r] += w[r]·v` for `r` in `0..n_out`, with `v` the decode attention's `sums`
+/// (`attention_decode`'s, `n_in = n_heads·head_dim`, `head_dim % 4 == 0`) normalised as they
+/// are staged: the attention output projection, which so ends the attention's split-K. Staged
+/// for every type (each lane loading its own chunk of the f64 sums was 7% slower with f16
+/// weights). See `residual`.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn attn_output_family<const F: u32>(
+    y: *mut f32,
+    sums: *const f64,
+    head_dim: u32,
+    w: *const u8,
+    ty: u32,
+    n_in: u32,
+    n_out: u32,
+    split: u32,
+) {
+    let v = Sums {
+        sums,
+        n: n_in,
+        head_dim,
+    };
+    unsafe { residual::<F, true>(y, v, w, ty, core::ptr::null(), n_in, n_out, split) }
+}
+
+/// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
+/// place on the residual stream. Units are pairs of rows. For packed weights, or with
+/// `STAGED`, each block stages `v` once in shared memory for all its units (so that few blocks
+/// of many units read few copies of it). Grid: a block for every `blockDim / 32 / split`
+/// units, each one round (`gemv_units`' `ONE`); block: a multiple of `32·split` threads;
+/// shared: 2 f32 per warp, or staged as `matmul::stage` says.
+#[allow(clippy::too_many_arguments)]
+#[inline(always)]
+unsafe fn residual<const F: u32, const STAGED: bool>(
+    y: *mut f32,
+    v: impl Vector,
+    w: *const u8,
+    ty: u32,
+    bias: *const f32,
+    n_in: u32,
+    n_out: u32,
+    split: u32,
+) {
     let chunks = n_in / 32;
     let c = lane_chunk(split, chunks);
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
         let units = n_out.div_ceil(2);
-        // Staged where the host launches few blocks of many units (packed weights); else each
-        // lane loads its own chunk, with no barrier for its loads to wait behind.
-        let staged = family::serves(family::PACKED, F);
+        // Staged where the host launches few blocks of many units (packed weights, and the
+        // attention's sums); else each lane loads its own chunk, with no barrier for its loads
+        // to wait behind.
+        let staged = STAGED || family::serves(family::PACKED, F);
         let held = || {
             if staged {
                 stage::<W>(v, None, n_in);
@@ -781,7 +838,7 @@ family_kernels!(attn_qkv_family(
     eps: f32, wq: *const u8, ty_q: u32, bq: *const f32, wk: *const u8, ty_k: u32,
     bk: *const f32, wv: *const u8, ty_v: u32, bv: *const f32, pos: *const u32,
     rope: *const f32, n_in: u32, n_heads: u32, n_kv: u32, head_dim: u32, max_pos: u32,
-    q_blocks: u32, kv_blocks: u32, split: u32,
+    q_blocks: u32, kv_blocks: u32, split: u32, sums: *mut f64,
 ) => attn_qkv_legacy LEGACY, attn_qkv_kquant KQUANT, attn_qkv_f32 F32, attn_qkv_f16 F16,
     attn_qkv_bf16 BF16,
     // q, k and v of both packed families in one layer.
@@ -798,6 +855,12 @@ family_kernels!(gemv_residual_family(
     n_out: u32, split: u32,
 ) => gemv_residual_legacy LEGACY, gemv_residual_kquant KQUANT, gemv_residual_f32 F32,
     gemv_residual_f16 F16, gemv_residual_bf16 BF16);
+
+family_kernels!(attn_output_family(
+    y: *mut f32, sums: *const f64, head_dim: u32, w: *const u8, ty: u32, n_in: u32, n_out: u32,
+    split: u32,
+) => attn_output_legacy LEGACY, attn_output_kquant KQUANT, attn_output_f32 F32,
+    attn_output_f16 F16, attn_output_bf16 BF16);
 
 family_kernels!(logits_family(
     logits: *mut f32, x: *const f32, norm: *const f32, eps: f32, w: *const u8, ty: u32,

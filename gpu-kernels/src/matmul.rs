@@ -242,6 +242,27 @@ pub(crate) struct Held {
     pub(crate) sum: [f32; 2],
 }
 
+/// A GEMV's input vector: floats in global memory, or the decode attention's sums
+/// (`attention::Sums`), which become floats as they are loaded.
+pub(crate) trait Vector: Copy {
+    /// Elements `k..k + 4` (`k % 4 == 0`; floats 16-byte aligned).
+    fn load4(self, k: usize) -> [f32; 4];
+    /// Element `k`.
+    fn load(self, k: usize) -> f32;
+}
+
+impl Vector for *const f32 {
+    #[inline(always)]
+    fn load4(self, k: usize) -> [f32; 4] {
+        unsafe { *(self.add(k) as *const F32x4) }.0
+    }
+
+    #[inline(always)]
+    fn load(self, k: usize) -> f32 {
+        unsafe { *self.add(k) }
+    }
+}
+
 /// Floats per chunk of the staged vector: its 32 elements, the sums of its halves and 2 of
 /// padding (a stride of 36 words puts the 8 lanes of each phase of a 16-byte shared load on
 /// distinct banks).
@@ -264,7 +285,7 @@ fn staging() -> *mut f32 {
 /// `g` 16-byte aligned, `n % 32 == 0`. Shared (of the kernels that stage): `max(32, 2·warps)`
 /// f32 (rounded up to a multiple of 4) of reductions' slots, then `STAGED` f32 per chunk.
 #[inline(always)]
-pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) -> f32 {
+pub(crate) fn stage<W: Weights>(x: impl Vector, g: Option<*const f32>, n: u32) -> f32 {
     let (at, groups) = (staging(), n as usize / 4);
     // Groups of 4 elements, 8 a chunk; a thread takes groups `thread() + k·blockDim`, so each
     // half chunk is 4 neighbouring lanes, which add up their sums by two shuffles. A pass takes
@@ -275,7 +296,7 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) ->
         let i = [0, 1].map(|j| first + thread() as usize + j * block_dim() as usize);
         // Dead groups load the last one again (in bounds) and count zeros.
         let k = i.map(|i| 4 * i.min(groups - 1));
-        let v = k.map(|k| unsafe { (*(x.add(k) as *const F32x4)).0 });
+        let v = k.map(|k| x.load4(k));
         // A constant at every call site once inlined: no branch in the loop.
         let g4 = k.map(|k| match g {
             Some(g) => unsafe { (*(g.add(k) as *const F32x4)).0 },
@@ -310,10 +331,10 @@ pub(crate) fn stage<W: Weights>(x: *const f32, g: Option<*const f32>, n: u32) ->
 
 impl Held {
     /// Chunk `c` of `x` (`n` long), loaded by this lane: for kernels that do not [`stage`] the
-    /// vector (no barrier for the lane's loads to wait behind). `VEC`: `x` 16-byte aligned and
-    /// `n % 32 == 0`; else element by element, elements `32c..32c + 32`, zeros past `n`.
+    /// vector (no barrier for the lane's loads to wait behind). `VEC`: `n % 32 == 0`, by
+    /// [`Vector::load4`]; else element by element, elements `32c..32c + 32`, zeros past `n`.
     #[inline(always)]
-    pub(crate) fn load<W: Weights, const VEC: bool>(x: *const f32, c: u32, n: u32) -> Held {
+    pub(crate) fn load<W: Weights, const VEC: bool>(x: impl Vector, c: u32, n: u32) -> Held {
         let (k0, n_chunks, n) = (32 * c as usize, n / 32, n as usize);
         let mut v = [0.0f32; 32];
         for q in 0..8 {
@@ -323,15 +344,9 @@ impl Held {
                 k0 + 4 * q
             };
             let v4 = if VEC {
-                unsafe { *(x.add(k) as *const F32x4) }.0
+                x.load4(k)
             } else {
-                core::array::from_fn(|j| {
-                    if k + j < n {
-                        unsafe { *x.add(k + j) }
-                    } else {
-                        0.0
-                    }
-                })
+                core::array::from_fn(|j| if k + j < n { x.load(k + j) } else { 0.0 })
             };
             v[4 * q..4 * q + 4].copy_from_slice(&v4);
         }

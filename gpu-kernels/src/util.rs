@@ -128,6 +128,30 @@ unsafe extern "C" {
     fn ex2_approx(x: f32) -> f32;
 }
 
+/// `e^x` as an f64, over f64's range: `2^n` (exact) for the integer part `n` of `x·log2(e)`,
+/// times `ex2.approx.f32` of the fraction (the relative error of [`exp`]); 0 below `2^-1022`,
+/// infinite above `2^1024`.
+#[inline(always)]
+pub fn exp_wide(x: f32) -> f64 {
+    let x = x * core::f32::consts::LOG2_E;
+    let n: f32;
+    unsafe {
+        asm!("cvt.rmi.f32.f32 {0}, {1};", out(reg32) n, in(reg32) x,
+            options(pure, nomem, nostack))
+    };
+    let two_n = f64::from_bits((((n as i32).clamp(-1023, 1024) + 1023) as u64) << 52);
+    two_n * unsafe { ex2_approx(x - n) } as f64
+}
+
+/// `*p += v` in global memory by one `red.global.add.f64` (no return value to wait for).
+#[inline(always)]
+pub fn red_add_f64(p: *mut f64, v: f64) {
+    unsafe {
+        asm!("red.global.add.f64 [{0}], {1};", in(reg64) p, in(reg64) v.to_bits(),
+            options(nostack))
+    };
+}
+
 /// `e^x` through `ex2.approx.f32` (max relative error 2^-22 of the result, plus the rounding of
 /// `x * log2(e)`, ~|x| * 2^-24 relative); `exp(-inf) = 0`.
 #[inline(always)]

@@ -20,39 +20,57 @@ const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4) 
 const MAX_HEAD_DIM: usize = 128;
 /// Key slices of the decode kernel (its grid's y, at most 64). With the model's 2 kv heads
 /// that is 128 blocks, about one per SM of an H100, each slice whole tiles of 32 keys: up to
-/// 2048 keys every block has one tile, at 8192 four. More slices would shorten the blocks'
-/// loops but lengthen the combine, which reads `slices * head_dim` partials per head.
+/// 2048 keys every block has one tile, at 8192 four.
 const DECODE_SPLITS: usize = 64;
 /// Query heads of a decode block, one per warp (larger kv groups take several blocks).
 const DECODE_HEADS: usize = 8;
 
-/// Scratch of split-K decode attention (`Device::attention`): each (head, key slice)'s partial
-/// softmax `[n_heads, DECODE_SPLITS, 4 + ceil4(head_dim)]` (max, sum, two unused, the
-/// unnormalised output: 16-byte aligned rows) and a completion count per query head. The
-/// kernel leaves the counts at zero, so one scratch serves every layer and step, one launch at
-/// a time (on the device's one stream).
-pub struct AttentionScratch {
-    partials: CudaSlice<f32>,
-    counters: CudaSlice<u32>,
-    n_heads: usize,
-    head_dim: usize,
+/// What the decode attention (`Device::attention_decode`) adds its key slices into, for
+/// `n_heads` query heads of `head_dim`: per head its unnormalised output and its softmax's
+/// sum, both scaled by `e^-r` for a reference score `r` that every slice shares, `[n_heads *
+/// head_dim + n_heads]` f64. The output projection (`Device::attn_output`) reads them
+/// normalised; `Device::attn_qkv` zeroes them for the next token.
+pub struct AttentionSums {
+    pub(crate) sums: CudaSlice<f64>,
+    pub(crate) n_heads: usize,
+    pub(crate) head_dim: usize,
 }
 
-/// `n` as a kernel's `u32` size, or an error naming `what`.
+impl AttentionSums {
+    /// The sums themselves, `[n_heads * head_dim + n_heads]` f64.
+    pub fn raw(&self) -> &CudaSlice<f64> {
+        &self.sums
+    }
+
+    /// The attention's output `[n_heads * head_dim]`: each head's sums over its softmax's sum,
+    /// as `attn_output` reads them (f64, rounded to f32).
+    pub fn output(&self, dev: &Device) -> Result<Vec<f32>> {
+        let s = dev.download(&self.sums)?;
+        let n = self.n_heads * self.head_dim;
+        Ok((0..n)
+            .map(|k| (s[k] / s[n + k / self.head_dim]) as f32)
+            .collect())
+    }
+}
+
 impl Device {
-    /// The scratch that `attention` needs for `n_heads` query heads of `head_dim`, zeroed.
-    /// Allocate it once: `attention` allocates nothing, so that it can be captured in a graph.
-    pub fn attention_scratch(&self, n_heads: usize, head_dim: usize) -> Result<AttentionScratch> {
+    /// Zeroed sums of the decode attention for `n_heads` query heads of `head_dim`. Allocate
+    /// them once: `attention_decode` allocates nothing, so that it can be captured in a graph.
+    pub fn attention_sums(&self, n_heads: usize, head_dim: usize) -> Result<AttentionSums> {
         check_head_dim(head_dim)?;
-        check(n_heads > 0, "attention_scratch: n_heads")?;
-        let len = n_heads * DECODE_SPLITS * partial_len(head_dim);
-        u32_of(len, "attention_scratch: partials")?;
-        Ok(AttentionScratch {
-            partials: self.zeros(len)?,
-            counters: self.zeros(n_heads)?,
+        check(n_heads > 0, "attention_sums: n_heads")?;
+        let len = n_heads * (head_dim + 1);
+        u32_of(len, "attention_sums")?;
+        Ok(AttentionSums {
+            sums: self.zeros(len)?,
             n_heads,
             head_dim,
         })
+    }
+
+    /// Zeroes `sums` (as `attn_qkv` does in a decode step), for another `attention_decode`.
+    pub fn zero_sums(&self, sums: &mut AttentionSums) -> Result<()> {
+        Ok(self.stream().memset_zeros(&mut sums.sums)?)
     }
 
     /// Cos/sin of NeoX RoPE's angles for positions `0..max_pos`, `[max_pos, head_dim/2, 2]`
@@ -169,12 +187,8 @@ impl Device {
 
     /// Causal GQA attention of `q = [rows, n_heads * head_dim]`, row `t` at position
     /// `pos[0] + t` over keys `0..=pos[0] + t` of `k_cache, v_cache = [max_pos, n_kv_heads *
-    /// head_dim]` (this call's keys already appended), into `out` (the shape of q). One row
-    /// runs the split-K decode kernel, which uses `scratch` (from `attention_scratch` with the
-    /// same heads and head_dim); more rows the prefill kernel. head_dim <= 128. Nothing in the
-    /// launch depends on `pos`'s value. The decode kernel may overlap the kernel launched
-    /// before it (programmatic dependent launch), which must not write `pos` or the cache rows
-    /// before `pos[0]`. Twin: `cpu::attention`.
+    /// head_dim]` (this call's keys already appended), into `out` (the shape of q), by the
+    /// flash-attention prefill kernel. head_dim <= 128. Twin: `cpu::attention`.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -183,97 +197,137 @@ impl Device {
         k_cache: &impl DevicePtr<f32>,
         v_cache: &impl DevicePtr<f32>,
         pos: &impl DevicePtr<u32>,
-        scratch: &mut AttentionScratch,
         rows: usize,
         n_heads: usize,
         n_kv_heads: usize,
         head_dim: usize,
     ) -> Result<()> {
-        check_head_dim(head_dim)?;
-        check(
-            rows > 0
-                && n_kv_heads > 0
-                && n_heads.is_multiple_of(n_kv_heads)
-                && n_heads >= n_kv_heads,
-            "attention: rows and head counts",
+        let max_pos = check_attention(
+            q, k_cache, v_cache, pos, rows, n_heads, n_kv_heads, head_dim,
         )?;
-        let kv_dim = n_kv_heads * head_dim;
-        check(
-            pos.len() >= 1
-                && q.len() == rows * n_heads * head_dim
-                && out.len() == q.len()
-                && k_cache.len() == v_cache.len()
-                && k_cache.len().is_multiple_of(kv_dim)
-                && k_cache.len() / kv_dim >= rows,
-            "attention: shapes of pos, q, out and the caches",
-        )?;
-        check(
-            scratch.n_heads == n_heads && scratch.head_dim == head_dim,
-            "attention: the scratch's heads and head_dim",
-        )?;
-        u32_of(k_cache.len().max(q.len()), "attention: buffers")?;
-        let max_pos = (k_cache.len() / kv_dim) as u32;
-        let hd = head_dim;
-        let scale = 1.0 / (hd as f32).sqrt();
+        check(out.len() == q.len(), "attention: shapes of q and out")?;
+        let scale = 1.0 / (head_dim as f32).sqrt();
         let stream = self.stream();
         let (op, _o) = out.device_ptr_mut(stream);
         let (qp, _q) = q.device_ptr(stream);
         let (kc, _k) = k_cache.device_ptr(stream);
         let (vc, _v) = v_cache.device_ptr(stream);
         let (pp, _p) = pos.device_ptr(stream);
-        let (sp, _s) = scratch.partials.device_ptr_mut(stream);
-        let (cp, _c) = scratch.counters.device_ptr_mut(stream);
-        let (name, grid, shared) = if rows == 1 {
-            // The group's heads, one per warp, in as few blocks as hold them (`per_kv` as the
-            // kernel computes it).
-            let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
-            let grid = (n_kv_heads * per_kv, DECODE_SPLITS);
-            let vec = hd == 64 && [op, qp, kc, vc, sp].iter().all(|p| p % 16 == 0);
-            let name = if vec {
-                "attention_decode_hd64"
-            } else {
-                "attention_decode"
-            };
-            (name, grid, DECODE_SHARED_BYTES)
-        } else {
-            let grid = (rows.div_ceil(PREFILL_ROWS), n_heads);
-            ("attention_prefill", grid, PREFILL_SHARED_BYTES)
-        };
         let cfg = LaunchConfig {
-            grid_dim: (grid.0 as u32, grid.1 as u32, 1),
+            grid_dim: (rows.div_ceil(PREFILL_ROWS) as u32, n_heads as u32, 1),
             block_dim: (ATTN_THREADS, 1, 1),
-            shared_mem_bytes: shared,
+            shared_mem_bytes: PREFILL_SHARED_BYTES,
         };
-        let (rows, n_heads, n_kv, hd) = (rows as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
-        let mut l = self.launch(name);
-        l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
-        if rows == 1 {
-            l.arg(&sp).arg(&cp);
-        } else {
-            l.arg(&rows);
-        }
+        let (rows, n_heads, n_kv, hd) = (
+            rows as u32,
+            n_heads as u32,
+            n_kv_heads as u32,
+            head_dim as u32,
+        );
+        let mut l = self.launch("attention_prefill");
+        l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp).arg(&rows);
         l.arg(&n_heads)
             .arg(&n_kv)
             .arg(&hd)
             .arg(&max_pos)
             .arg(&scale);
-        // SAFETY: parameters (f32*, const f32*, const f32*, const f32*, const u32*, then
-        // f32*, u32* (decode) or u32 (prefill), then u32, u32, u32, u32, f32) as the kernels
-        // declare them. q and out hold rows * n_heads * head_dim; the kernels read cache rows
-        // 0..pos[0] + rows, below max_pos or they trap. Decode: partials hold [n_heads,
-        // DECODE_SPLITS (the grid's y, <= 64), 4 + ceil4(head_dim)] and counters one per
-        // head (the scratch's shape is checked). 256 threads and the shared memory
-        // the kernels' docs ask for. The decode kernel reads only `pos` and the cache rows
-        // before pos[0] before it calls `wait_prior_grids`, so it may overlap a kernel before
-        // it that writes neither (the decode step's attn_qkv writes row pos[0]).
-        unsafe { l.run(cfg, rows == 1) }?;
+        // SAFETY: parameters (f32*, const f32*, const f32*, const f32*, const u32*, u32, u32,
+        // u32, u32, u32, f32) as the kernel declares them. q and out hold rows * n_heads *
+        // head_dim; the kernel reads cache rows 0..pos[0] + rows, below max_pos or it traps.
+        // 256 threads and the shared memory its doc asks for.
+        unsafe { l.run(cfg, false) }?;
+        Ok(())
+    }
+
+    /// The attention of one query row `q = [n_heads * head_dim]` at position `pos[0]` over
+    /// keys `0..=pos[0]` of the caches (as `attention`'s), by the split-K decode kernel: its
+    /// key slices add into `sums` (`n_heads` and head_dim from there), which must be zero
+    /// (from `attention_sums`, `zero_sums`, or `attn_qkv` in a decode step), and
+    /// `sums.output` (or `attn_output`) normalises them. Nothing in the launch depends on
+    /// `pos`'s value. The kernel may overlap the kernel launched before it (programmatic
+    /// dependent launch), which must not write `pos` or the cache rows before `pos[0]`.
+    /// Twin: `cpu::attention`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention_decode(
+        &self,
+        sums: &mut AttentionSums,
+        q: &impl DevicePtr<f32>,
+        k_cache: &impl DevicePtr<f32>,
+        v_cache: &impl DevicePtr<f32>,
+        pos: &impl DevicePtr<u32>,
+        n_kv_heads: usize,
+    ) -> Result<()> {
+        let (n_heads, hd) = (sums.n_heads, sums.head_dim);
+        let max_pos = check_attention(q, k_cache, v_cache, pos, 1, n_heads, n_kv_heads, hd)?;
+        let scale = 1.0 / (hd as f32).sqrt();
+        let stream = self.stream();
+        let (sp, _s) = sums.sums.device_ptr_mut(stream);
+        let (qp, _q) = q.device_ptr(stream);
+        let (kc, _k) = k_cache.device_ptr(stream);
+        let (vc, _v) = v_cache.device_ptr(stream);
+        let (pp, _p) = pos.device_ptr(stream);
+        // The group's heads, one per warp, in as few blocks as hold them (`per_kv` as the
+        // kernel computes it).
+        let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
+        let vec = hd == 64 && [sp, qp, kc, vc].iter().all(|p| p % 16 == 0);
+        let name = if vec {
+            "attention_decode_hd64"
+        } else {
+            "attention_decode"
+        };
+        let cfg = LaunchConfig {
+            grid_dim: ((n_kv_heads * per_kv) as u32, DECODE_SPLITS as u32, 1),
+            block_dim: (ATTN_THREADS, 1, 1),
+            shared_mem_bytes: DECODE_SHARED_BYTES,
+        };
+        let (n_heads, n_kv, hd) = (n_heads as u32, n_kv_heads as u32, hd as u32);
+        let mut l = self.launch(name);
+        l.arg(&sp).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
+        l.arg(&n_heads)
+            .arg(&n_kv)
+            .arg(&hd)
+            .arg(&max_pos)
+            .arg(&scale);
+        // SAFETY: parameters (f64*, const f32*, const f32*, const f32*, const u32*, u32, u32,
+        // u32, u32, f32) as the kernels declare them. q holds n_heads * head_dim and sums
+        // n_heads * (head_dim + 1) (the sums' shape is theirs); the kernel reads cache rows
+        // 0..=pos[0], below max_pos or it traps. 256 threads and the shared memory the
+        // kernels' doc asks for. It reads only `pos` and the cache rows before pos[0] before
+        // it calls `wait_prior_grids`, so it may overlap a kernel before it that writes neither
+        // (the decode step's attn_qkv writes row pos[0]).
+        unsafe { l.run(cfg, true) }?;
         Ok(())
     }
 }
 
-/// Floats per (head, slice) row of the decode kernel's partials.
-fn partial_len(head_dim: usize) -> usize {
-    4 + head_dim.next_multiple_of(4)
+/// Checks the shapes of an attention of `rows` query rows; the caches' positions.
+#[allow(clippy::too_many_arguments)]
+fn check_attention(
+    q: &impl DevicePtr<f32>,
+    k_cache: &impl DevicePtr<f32>,
+    v_cache: &impl DevicePtr<f32>,
+    pos: &impl DevicePtr<u32>,
+    rows: usize,
+    n_heads: usize,
+    n_kv_heads: usize,
+    head_dim: usize,
+) -> Result<u32> {
+    check_head_dim(head_dim)?;
+    check(
+        rows > 0 && n_kv_heads > 0 && n_heads.is_multiple_of(n_kv_heads) && n_heads >= n_kv_heads,
+        "attention: rows and head counts",
+    )?;
+    let kv_dim = n_kv_heads * head_dim;
+    check(
+        pos.len() >= 1
+            && q.len() == rows * n_heads * head_dim
+            && k_cache.len() == v_cache.len()
+            && k_cache.len().is_multiple_of(kv_dim)
+            && k_cache.len() / kv_dim >= rows,
+        "attention: shapes of pos, q and the caches",
+    )?;
+    u32_of(k_cache.len().max(q.len()), "attention: buffers")?;
+    Ok((k_cache.len() / kv_dim) as u32)
 }
 
 fn check_head_dim(head_dim: usize) -> Result<()> {

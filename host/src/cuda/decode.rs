@@ -7,7 +7,7 @@ use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 
 use super::matmul::{GpuMatrix, gemv_split, one_per_element};
-use super::{Device, allow_shared, check, u32_of};
+use super::{AttentionSums, Device, allow_shared, check, u32_of};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -72,6 +72,13 @@ fn family(ty: GgmlType) -> &'static str {
 /// serves (q8_0, f16), not per family.
 fn bounded_kernel(pass: &str, ty: GgmlType) -> String {
     format!("{pass}_{}", ty.name())
+}
+
+/// The input vector of `Device::residual`'s kernels: floats and a bias (or 0), or the decode
+/// attention's sums and head_dim (device pointers).
+enum Input {
+    Floats(u64, u64),
+    Sums(u64, u32),
 }
 
 /// Whether `ty` is a quantized (packed) type.
@@ -242,8 +249,9 @@ impl Device {
     /// (`rope_table`'s `[positions, head_dim/2, 2]`). `qkv` holds the (weights, bias) of q, k
     /// and v; `head_dim = q.len() / n_heads`; the caches are `[max_pos, n_kv_heads·head_dim]`.
     /// The kernel traps when `pos[0]` is past the caches or the table, and prefetches cache
-    /// rows `0..=pos[0]` into L2 for the attention (below 2,048 keys). Twin: `cpu::rms_norm`,
-    /// `cpu::matmul` of each, `cpu::rope_neox` of q and k.
+    /// rows `0..=pos[0]` into L2 for the attention (below 2,048 keys). It also zeroes `sums`
+    /// for `attention_decode` to add into. Twin: `cpu::rms_norm`, `cpu::matmul` of each,
+    /// `cpu::rope_neox` of q and k.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_qkv(
         &self,
@@ -256,6 +264,7 @@ impl Device {
         qkv: [(&GpuMatrix, Option<&CudaSlice<f32>>); 3],
         pos: &impl DevicePtr<u32>,
         rope: &impl DevicePtr<f32>,
+        sums: &mut AttentionSums,
         n_heads: usize,
         n_kv_heads: usize,
     ) -> Result<()> {
@@ -279,6 +288,10 @@ impl Device {
                 && rope.len().is_multiple_of(hd)
                 && rope.len() >= hd,
             "attn_qkv: shapes of x, norm, pos, the caches and the table",
+        )?;
+        check(
+            sums.n_heads == n_heads && sums.head_dim == hd,
+            "attn_qkv: the sums' heads and head_dim",
         )?;
         let max_pos = (k_cache.len() / kv_dim).min(rope.len() / hd);
         u32_of(k_cache.len().max(rope.len()), "attn_qkv: caches and table")?;
@@ -319,6 +332,7 @@ impl Device {
         let (np, _n) = norm.device_ptr(s);
         let (pp, _p) = pos.device_ptr(s);
         let (rp, _r) = rope.device_ptr(s);
+        let (sp, _s) = sums.sums.device_ptr_mut(s);
         let ws = qkv.each_ref().map(|(w, _)| w.ptr(s));
         let bs = qkv.each_ref().map(|(_, b)| b.map(|b| b.device_ptr(s)));
         check_aligned(&[xp, np], WHAT)?;
@@ -334,13 +348,13 @@ impl Device {
         }
         l.arg(&pp).arg(&rp);
         l.arg(&n_in).arg(&n_heads).arg(&n_kv).arg(&hd).arg(&max_pos);
-        l.arg(&q_blocks).arg(&kv_blocks).arg(&split);
+        l.arg(&q_blocks).arg(&kv_blocks).arg(&split).arg(&sp);
         // SAFETY: the parameters are the kernel's (f32*, f32*, f32*, const f32*, const f32*,
         // f32, then (const u8*, u32, const f32* or null) for q, k, v, const u32*, const f32*,
-        // then 8 u32). Every size was checked above: the weights are GpuMatrix rows of n_in
-        // (whole chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q holds
-        // n_heads·head_dim; the kernel writes cache row pos[0] and reads table row pos[0] only
-        // below max_pos, else traps. Blocks are whole units of `split` warps, shared as
+        // then 8 u32, f64*). Every size was checked above: the weights are GpuMatrix rows of
+        // n_in (whole chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q
+        // holds n_heads·head_dim, sums n_heads·(head_dim + 1); the kernel writes cache row
+        // pos[0] and reads table row pos[0] only below max_pos, else traps. Blocks are whole units of `split` warps, shared as
         // `gemv_shared` (the reductions' slots and the staged x).
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
         unsafe { l.run(cfg, true) }?;
@@ -407,8 +421,7 @@ impl Device {
     }
 
     /// `y[r] += w[r]·v + bias[r]` for the `y.len()` rows of `w`, in place on the residual
-    /// stream: the attention output (`v` the attention's output) and FFN down (`v = h`)
-    /// projections. Twin: `cpu::matmul` then `cpu::add`.
+    /// stream: the FFN down projection (`v = h`). Twin: `cpu::matmul` then `cpu::add`.
     pub fn gemv_residual(
         &self,
         y: &mut impl DevicePtrMut<f32>,
@@ -416,24 +429,70 @@ impl Device {
         bias: Option<&CudaSlice<f32>>,
         v: &impl DevicePtr<f32>,
     ) -> Result<()> {
-        const WHAT: &str = "gemv_residual";
-        let (n_in, n_out) = (v.len(), y.len());
-        let split = split_of(n_in, WHAT)?;
-        check_matrix(w, n_out, n_in, WHAT)?;
         check(
-            bias.is_none_or(|b| b.len() == n_out),
+            bias.is_none_or(|b| b.len() == y.len()),
             "gemv_residual: bias and rows",
         )?;
+        let s = self.stream();
+        let (vp, _v) = v.device_ptr(s);
+        let bias = bias.map(|b| b.device_ptr(s));
+        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
+        self.residual(y, w, v.len(), Input::Floats(vp, bp))
+    }
+
+    /// `y[r] += wo[r]·att` for the `y.len()` rows of `wo`, with `att` the decode attention's
+    /// output, which it normalises from `sums` as it loads them (`AttentionSums::output`):
+    /// the attention output projection. Twin: `cpu::matmul` then `cpu::add`.
+    pub fn attn_output(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        wo: &GpuMatrix,
+        sums: &AttentionSums,
+    ) -> Result<()> {
+        if !sums.head_dim.is_multiple_of(4) {
+            return Err(Error::Invalid(format!(
+                "attn_output: head_dim {} is not a multiple of 4",
+                sums.head_dim
+            )));
+        }
+        let (sp, _s) = sums.sums.device_ptr(self.stream());
+        let head_dim = sums.head_dim as u32;
+        self.residual(
+            y,
+            wo,
+            sums.n_heads * sums.head_dim,
+            Input::Sums(sp, head_dim),
+        )
+    }
+
+    /// `gemv_residual` and `attn_output`: their kernels take the same parameters around the
+    /// input's.
+    fn residual(
+        &self,
+        y: &mut impl DevicePtrMut<f32>,
+        w: &GpuMatrix,
+        n_in: usize,
+        input: Input,
+    ) -> Result<()> {
+        let what = match input {
+            Input::Floats(..) => "gemv_residual",
+            Input::Sums(..) => "attn_output",
+        };
+        let n_out = y.len();
+        let split = split_of(n_in, what)?;
+        check_matrix(w, n_out, n_in, what)?;
         if n_out == 0 {
             return Ok(());
         }
-        let n_out32 = u32_of(n_out, WHAT)?;
+        let n_out32 = u32_of(n_out, what)?;
         // Units are pairs of rows. Packed weights: few blocks of many units, which the kernel
         // serves from one staged copy of v each (H100, decode +2.8%: FFN down 448 blocks ->
-        // 112, wo 224 -> 112; wo now 56, `staged_geometry`'s smallest blocks). Plain floats as
-        // before: f16's wo so staged was -3.4% (its 1.6 MB of weights want every SM's loads).
-        let name = family_kernel(WHAT, w.ty());
-        let g = if packed(w.ty()) {
+        // 112, wo 224 -> 112; wo now 56, `staged_geometry`'s smallest blocks). So too the
+        // attention's sums, for every type (f16's wo: +13% over each lane loading its own
+        // chunk of the f64 sums). Plain floats otherwise as before: f16's wo so staged was
+        // -3.4% when it read floats (its 1.6 MB of weights want every SM's loads).
+        let name = family_kernel(what, w.ty());
+        let g = if packed(w.ty()) || matches!(input, Input::Sums(..)) {
             self.staged_geometry(&name, n_out.div_ceil(2), split, n_in)?
         } else {
             self.geometry(n_out.div_ceil(2), split, 0)?
@@ -442,19 +501,27 @@ impl Device {
         let cfg = self.gemv_launch(&name, &g, g.blocks)?;
         let s = self.stream();
         let (yp, _y) = y.device_ptr_mut(s);
-        let (vp, _v) = v.device_ptr(s);
         let (wp, _w) = w.ptr(s);
-        let bias = bias.map(|b| b.device_ptr(s));
-        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
-        check_aligned(&[vp], WHAT)?;
-        let (ty, n_in) = (w.ty() as u32, u32_of(n_in, WHAT)?);
+        let (ty, n_in) = (w.ty() as u32, u32_of(n_in, what)?);
         let mut l = self.launch(&name);
-        l.arg(&yp).arg(&vp).arg(&wp).arg(&ty).arg(&bp);
+        l.arg(&yp);
+        match &input {
+            Input::Floats(vp, bp) => {
+                check_aligned(&[*vp], what)?;
+                l.arg(vp).arg(&wp).arg(&ty).arg(bp);
+            }
+            Input::Sums(sp, head_dim) => {
+                check_aligned(&[*sp], what)?;
+                l.arg(sp).arg(head_dim).arg(&wp).arg(&ty);
+            }
+        }
         l.arg(&n_in).arg(&n_out32).arg(&split);
-        // SAFETY: parameters (f32*, const f32*, const u8*, u32, const f32* or null, u32, u32,
+        // SAFETY: parameters (f32*, then const f32*, const u8*, u32, const f32* or null
+        // (gemv_residual) or const f64*, u32, const u8*, u32 (attn_output), then u32, u32,
         // u32). w is n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split`
-        // warps), v 16-byte aligned; y and bias hold n_out; blocks are whole units of `split`
-        // warps, shared as `gemv_shared` (with the staged v for packed weights).
+        // warps), v or the sums 16-byte aligned; v holds n_in, the sums n_in plus a sum per
+        // head (`AttentionSums`' shape), y and bias n_out; blocks are whole units of `split`
+        // warps, shared as `gemv_shared` (with the staged vector for packed weights).
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
         unsafe { l.run(cfg, true) }?;
         Ok(())

@@ -18,7 +18,7 @@ mod matmul;
 pub mod model;
 mod sampling;
 
-pub use attention::AttentionScratch;
+pub use attention::AttentionSums;
 pub use decode::{BoundedArgmax, StepEnd};
 pub use matmul::GpuMatrix;
 

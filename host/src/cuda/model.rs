@@ -16,7 +16,7 @@ use cudarc::driver::{
     PinnedHostSlice,
 };
 
-use super::{AttentionScratch, BoundedArgmax, Device, GpuMatrix, StepEnd};
+use super::{AttentionSums, BoundedArgmax, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::models::Progress;
@@ -65,6 +65,8 @@ struct Layer {
     w_down: GpuMatrix,
     k_cache: CudaSlice<f32>,
     v_cache: CudaSlice<f32>,
+    /// What the decode attention adds into, zeroed by the layer's `attn_qkv`.
+    sums: AttentionSums,
 }
 
 /// Activations for up to `MAX_BATCH` tokens.
@@ -85,8 +87,6 @@ struct Buffers {
     /// The tokens a launch picks: `GRAPH_STEPS` for each of the two `Slot`s, then the
     /// prefill's.
     next: CudaSlice<u32>,
-    /// The decode attention's partials and counts, shared by every layer.
-    attn: AttentionScratch,
     /// Draws of the sampler so far: the sampler's `step`, advanced on the device.
     step: CudaSlice<u64>,
     /// Scratch of the output projection's fused arg-max.
@@ -233,6 +233,7 @@ impl CudaModel {
                     w_down: matrix(&name("ffn_down.weight"))?,
                     k_cache: dev.zeros(kv_len)?,
                     v_cache: dev.zeros(kv_len)?,
+                    sums: dev.attention_sums(cfg.n_heads, cfg.head_dim)?,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -253,7 +254,6 @@ impl CudaModel {
             tokens: dev.zeros(max_ctx)?,
             pos: dev.zeros(1)?,
             next: dev.zeros(2 * GRAPH_STEPS + 1)?,
-            attn: dev.attention_scratch(cfg.n_heads, cfg.head_dim)?,
             step: dev.zeros(1)?,
             best: dev.logits_scratch()?,
             cands: dev.sample_scratch(cfg.vocab)?,
@@ -530,8 +530,9 @@ impl CudaModel {
         dev.embed_at(&mut x, &self.token_embd, &b.tokens, &b.pos)?;
 
         for w in &mut self.layers {
-            // Attention block: norm, q/k/v with bias, RoPE and the cache append in one kernel;
-            // attention; the output projection added to the residual.
+            // Attention block: norm, q/k/v with bias, RoPE and the cache append in one kernel
+            // (which also zeroes the layer's sums); attention, its key slices added into the
+            // sums; the output projection of the sums, normalised, added to the residual.
             let qkv = [
                 (&w.wq, Some(&w.bq)),
                 (&w.wk, Some(&w.bk)),
@@ -548,23 +549,19 @@ impl CudaModel {
                 qkv,
                 &b.pos,
                 &self.rope,
+                &mut w.sums,
                 c.n_heads,
                 c.n_kv_heads,
             )?;
-            let mut att = b.att.slice_mut(..hidden);
-            dev.attention(
-                &mut att,
+            dev.attention_decode(
+                &mut w.sums,
                 &q,
                 &w.k_cache,
                 &w.v_cache,
                 &b.pos,
-                &mut b.attn,
-                1,
-                c.n_heads,
                 c.n_kv_heads,
-                c.head_dim,
             )?;
-            dev.gemv_residual(&mut x, &w.wo, None, &att)?;
+            dev.attn_output(&mut x, &w.wo, &w.sums)?;
 
             // Feed-forward block: norm, gate and up with SiLU·mul in one kernel; the down
             // projection added to the residual.
@@ -696,7 +693,6 @@ impl CudaModel {
                 &w.k_cache,
                 &w.v_cache,
                 &b.pos,
-                &mut b.attn,
                 n,
                 c.n_heads,
                 c.n_kv_heads,

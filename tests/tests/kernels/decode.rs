@@ -147,7 +147,8 @@ struct Attn {
 }
 
 /// `attn_qkv` for the token `x` at `pos` against the CPU: the worst error of q, k and v. The
-/// caches have `pos + 3` rows of a sentinel, of which only row `pos` may change.
+/// caches have `pos + 3` rows of a sentinel, of which only row `pos` may change. Run twice,
+/// with an attention between that fills the sums: the second run must zero them again.
 fn check_attn_qkv(dev: &Device, a: &Attn, x: &[f32], pos: usize, what: &str) -> f32 {
     let hd = a.head_dim;
     let (q_dim, kv_dim) = (a.n_heads * hd, a.n_kv * hd);
@@ -165,10 +166,31 @@ fn check_attn_qkv(dev: &Device, a: &Attn, x: &[f32], pos: usize, what: &str) -> 
     let rope = dev.rope_table(max_pos + 5, hd, THETA).unwrap();
     let posd = dev.upload(&[pos as u32]).unwrap();
     let qkv = [0, 1, 2].map(|i| (a.qkv[i].0.weight(), biases[i].as_ref()));
-    dev.attn_qkv(
-        &mut q, &mut kc, &mut vc, &xd, &nd, EPS, qkv, &posd, &rope, a.n_heads, a.n_kv,
-    )
-    .unwrap();
+    let mut sums = dev.attention_sums(a.n_heads, hd).unwrap();
+    for run in 0..2 {
+        dev.attn_qkv(
+            &mut q, &mut kc, &mut vc, &xd, &nd, EPS, qkv, &posd, &rope, &mut sums, a.n_heads,
+            a.n_kv,
+        )
+        .unwrap();
+        let raw = dev.download(sums.raw()).unwrap();
+        assert!(
+            raw.iter().all(|s| *s == 0.0),
+            "attn_qkv {what}: sums not zeroed"
+        );
+        if run == 0 {
+            // Over keys of ones (the projections' may be infinite: random scales).
+            let ones = |n| dev.upload(&vec![1.0f32; n]).unwrap();
+            let (q1, c1) = (ones(q_dim), ones(max_pos * kv_dim));
+            dev.attention_decode(&mut sums, &q1, &c1, &c1, &posd, a.n_kv)
+                .unwrap();
+            let raw = dev.download(sums.raw()).unwrap();
+            assert!(
+                raw.iter().any(|s| *s != 0.0),
+                "attn_qkv {what}: no sums to zero"
+            );
+        }
+    }
     let q = dev.download(&q).unwrap();
     let (kc, vc) = (dev.download(&kc).unwrap(), dev.download(&vc).unwrap());
     let row = |c: &[f32]| c[pos * kv_dim..(pos + 1) * kv_dim].to_vec();
@@ -235,6 +257,30 @@ fn check_residual(dev: &Device, rng: &mut Rng, w: &Mat, bias: Option<&[f32]>, v:
         .unwrap();
     let got = dev.download(&xd).unwrap();
     let (y, mag) = w.cpu(v, bias);
+    let mut want = x0.clone();
+    cpu::add(&mut want, &y);
+    let scale: Vec<f32> = mag.iter().zip(&x0).map(|(m, x)| m + x.abs()).collect();
+    worst(&got, &want, &scale)
+}
+
+/// `attn_output` onto a random residual `x0` against `cpu::add` of `wo` times the attention's
+/// output: that of a random query over 40 random keys of `n_heads` kv heads of `head_dim`
+/// (`wo.n_in = n_heads·head_dim`), as `AttentionSums::output` normalises it.
+fn check_attn_output(dev: &Device, rng: &mut Rng, wo: &Mat, n_heads: usize) -> f32 {
+    let (n_in, keys) = (wo.n_in, 40);
+    let q = dev.upload(&rng.vec(n_in)).unwrap();
+    let kc = dev.upload(&rng.vec(keys * n_in)).unwrap();
+    let vc = dev.upload(&rng.vec(keys * n_in)).unwrap();
+    let posd = dev.upload(&[keys as u32 - 1]).unwrap();
+    let mut sums = dev.attention_sums(n_heads, n_in / n_heads).unwrap();
+    dev.attention_decode(&mut sums, &q, &kc, &vc, &posd, n_heads)
+        .unwrap();
+    let att = sums.output(dev).unwrap();
+    let x0 = rng.vec(wo.n_out());
+    let mut xd = dev.upload(&x0).unwrap();
+    dev.attn_output(&mut xd, wo.weight(), &sums).unwrap();
+    let got = dev.download(&xd).unwrap();
+    let (y, mag) = wo.cpu(&att, None);
     let mut want = x0.clone();
     cpu::add(&mut want, &y);
     let scale: Vec<f32> = mag.iter().zip(&x0).map(|(m, x)| m + x.abs()).collect();
@@ -481,14 +527,9 @@ fn gemv_residual_matches_cpu() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(33);
     use GgmlType::*;
-    // (type, n_in, n_out): the model's attention output and down projections (q5_0; q6_K and
-    // q4_K), in f16, then every type at odd shapes, one row split over 8 warps.
-    let mut cases = vec![
-        (Q5_0, 896, 896),
-        (Q6K, 4864, 896),
-        (Q4K, 4864, 896),
-        (F16, 4864, 896),
-    ];
+    // (type, n_in, n_out): the model's down projections (q6_K and q4_K), in f16, then every
+    // type at odd shapes, one row split over 8 warps.
+    let mut cases = vec![(Q6K, 4864, 896), (Q4K, 4864, 896), (F16, 4864, 896)];
     cases.extend(TYPES.map(|ty| (ty, 256, 37)));
     cases.extend(TYPES.map(|ty| (ty, 4608, 9)));
     for (ty, n_in, n_out) in cases {
@@ -506,6 +547,26 @@ fn gemv_residual_matches_cpu() {
             println!("gemv_residual {what}: max err / scale = {err:.2e}");
             assert!(err < TOL, "gemv_residual {what}: {err}");
         }
+    }
+}
+
+#[test]
+fn attn_output_matches_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(36);
+    use GgmlType::*;
+    // (type, heads, head_dim, n_out): the model's (q5_0, 14 heads of 64), in f16, K-quants
+    // (8 heads of 128), then every type at an odd shape (head_dim 8, 37 rows).
+    let mut cases = vec![(Q5_0, 14, 64, 896), (F16, 14, 64, 896), (Q4K, 8, 128, 300)];
+    cases.extend(TYPES.map(|ty| (ty, 32, 8, 37)));
+    for (ty, n_heads, hd, n_out) in cases {
+        let n_in = n_heads * hd;
+        let w = random_weights(&mut rng, ty, n_out, n_in);
+        let wo = Mat::new(&dev, ty, &w, n_in, false);
+        let err = check_attn_output(&dev, &mut rng, &wo, n_heads);
+        let what = format!("{} {n_out}x{n_in} ({n_heads} heads of {hd})", ty.name());
+        println!("attn_output {what}: max err / scale = {err:.2e}");
+        assert!(err < TOL, "attn_output {what}: {err}");
     }
 }
 
@@ -770,11 +831,10 @@ fn decode_kernels_on_real_layers() {
                 let err = check_gate_up(&dev, &ffn_norm, &gate, &up, &x);
                 println!("ffn_gate_up {what}: max err / scale = {err:.2e}");
                 assert!(err < TOL, "ffn_gate_up {what}: {err}");
-                // The attention output (here random) onto the residual, and the FFN's.
-                let v = rng.vec(wo.n_in);
-                let err = check_residual(&dev, &mut rng, &wo, None, &v);
-                println!("gemv_residual attn_output {what}: max err / scale = {err:.2e}");
-                assert!(err < TOL, "gemv_residual attn_output {what}: {err}");
+                // The attention output (of random q, k, v) onto the residual, and the FFN's.
+                let err = check_attn_output(&dev, &mut rng, &wo, cfg.n_heads);
+                println!("attn_output {what}: max err / scale = {err:.2e}");
+                assert!(err < TOL, "attn_output {what}: {err}");
                 let h: Vec<f32> = rng.vec(down.n_in).iter().map(|v| v * 0.5).collect();
                 let err = check_residual(&dev, &mut rng, &down, None, &h);
                 println!(
@@ -898,6 +958,7 @@ fn decode_kernels_refuse_bad_shapes() {
     );
     let pos = dev.zeros::<u32>(1).unwrap();
     let rope = dev.rope_table(4, 6, THETA).unwrap();
+    let mut sums = dev.attention_sums(2, 6).unwrap();
     let wq = zeros(GgmlType::F16, 12, n_in);
     let wkv = zeros(GgmlType::F16, 6, n_in);
     // Quantized and float matrices in one call: one kernel build serves one family.
@@ -905,18 +966,18 @@ fn decode_kernels_refuse_bad_shapes() {
     let mixed = [&wq, &wkv, &wkv8].map(|w| (w, None));
     assert_eq!(
         msg(dev.attn_qkv(
-            &mut q, &mut kc, &mut vc, &x, &norm, EPS, mixed, &pos, &rope, 2, 1
+            &mut q, &mut kc, &mut vc, &x, &norm, EPS, mixed, &pos, &rope, &mut sums, 2, 1
         )),
         "attn_qkv: q, k and v (f16, f16, q8_0) must be all quantized or all of one float type"
     );
     let qkv = [&wq, &wkv, &wkv].map(|w| (w, None));
     dev.attn_qkv(
-        &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, 2, 1,
+        &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, &mut sums, 2, 1,
     )
     .unwrap();
     assert_eq!(
         msg(dev.attn_qkv(
-            &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, 4, 1
+            &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, &mut sums, 4, 1
         )),
         "attn_qkv: n_heads, n_kv_heads and q (an even head_dim) do not match"
     );
@@ -924,9 +985,24 @@ fn decode_kernels_refuse_bad_shapes() {
     let mut vc5 = dev.zeros::<f32>(17).unwrap();
     assert!(
         dev.attn_qkv(
-            &mut q, &mut kc5, &mut vc5, &x, &norm, EPS, qkv, &pos, &rope, 2, 1
+            &mut q, &mut kc5, &mut vc5, &x, &norm, EPS, qkv, &pos, &rope, &mut sums, 2, 1
         )
         .is_err()
+    );
+    // Sums of other heads; attn_output of a head_dim that is no multiple of 4.
+    let mut sums3 = dev.attention_sums(3, 6).unwrap();
+    assert_eq!(
+        msg(dev.attn_qkv(
+            &mut q, &mut kc, &mut vc, &x, &norm, EPS, qkv, &pos, &rope, &mut sums3, 2, 1
+        )),
+        "attn_qkv: the sums' heads and head_dim do not match"
+    );
+    let mut y = dev.zeros::<f32>(5).unwrap();
+    let wo = zeros(GgmlType::F16, 5, 96);
+    let sums6 = dev.attention_sums(16, 6).unwrap();
+    assert_eq!(
+        msg(dev.attn_output(&mut y, &wo, &sums6)),
+        "attn_output: head_dim 6 is not a multiple of 4"
     );
     dev.synchronize().unwrap();
 }
