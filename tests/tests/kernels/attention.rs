@@ -185,47 +185,30 @@ fn caches(
     (kc, vc, posd)
 }
 
-/// `attention` of q's rows over `caches`.
-#[allow(clippy::too_many_arguments)]
+/// Attention of q's rows over `caches` for `(n_heads, n_kv, head_dim)`: by `attention`, or
+/// with `decode` (one row) by `attention_decode` into fresh sums, normalised.
 fn gpu_attention(
     dev: &orcd::cuda::Device,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
+    (q, k, v): (&[f32], &[f32], &[f32]),
     pos: usize,
-    n_heads: usize,
-    n_kv: usize,
-    head_dim: usize,
+    (n_heads, n_kv, head_dim): (usize, usize, usize),
+    decode: bool,
 ) -> Vec<f32> {
     let rows = q.len() / (n_heads * head_dim);
     let (kc, vc, posd) = caches(dev, k, v, pos, rows, n_kv * head_dim);
-    let mut out = dev.zeros::<f32>(q.len()).unwrap();
     let qd = dev.upload(q).unwrap();
+    if decode {
+        let mut sums = dev.attention_sums(n_heads, head_dim).unwrap();
+        dev.attention_decode(&mut sums, &qd, &kc, &vc, &posd, n_kv)
+            .unwrap();
+        return sums.output(dev).unwrap();
+    }
+    let mut out = dev.zeros::<f32>(q.len()).unwrap();
     dev.attention(
         &mut out, &qd, &kc, &vc, &posd, rows, n_heads, n_kv, head_dim,
     )
     .unwrap();
     dev.download(&out).unwrap()
-}
-
-/// `attention_decode` of the one row q over `caches`, into fresh sums, normalised.
-#[allow(clippy::too_many_arguments)]
-fn gpu_attention_decode(
-    dev: &orcd::cuda::Device,
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    pos: usize,
-    n_heads: usize,
-    n_kv: usize,
-    head_dim: usize,
-) -> Vec<f32> {
-    let (kc, vc, posd) = caches(dev, k, v, pos, 1, n_kv * head_dim);
-    let mut sums = dev.attention_sums(n_heads, head_dim).unwrap();
-    let qd = dev.upload(q).unwrap();
-    dev.attention_decode(&mut sums, &qd, &kc, &vc, &posd, n_kv)
-        .unwrap();
-    sums.output(dev).unwrap()
 }
 
 /// Random q, k, v for `rows` queries at `pos` and the CPU twin's output.
@@ -260,7 +243,8 @@ fn attention_decode_matches_cpu() {
     for (n_heads, n_kv, head_dim) in shapes {
         for n_keys in [1, 2, 17, 257, 1000, 2048, 2049, 4097, 8192, 10240] {
             let (q, k, v, want) = decode_case(&mut rng, n_keys, n_heads, n_kv, head_dim);
-            let got = gpu_attention_decode(&dev, &q, &k, &v, n_keys - 1, n_heads, n_kv, head_dim);
+            let shape = (n_heads, n_kv, head_dim);
+            let got = gpu_attention(&dev, (&q, &k, &v), n_keys - 1, shape, true);
             let err = max_err(&got, &want);
             println!(
                 "attention decode {n_heads}/{n_kv}/{head_dim} keys={n_keys}: max err {err:.2e}"
@@ -373,7 +357,8 @@ fn attention_prefill_matches_cpu() {
     for pos in [0, 37, 300] {
         for rows in [2, 7, 64, 65, 100, 500, 512] {
             let (q, k, v, want) = case(&mut rng, pos, rows);
-            let got = gpu_attention(&dev, &q, &k, &v, pos, N_HEADS, N_KV, HEAD_DIM);
+            let shape = (N_HEADS, N_KV, HEAD_DIM);
+            let got = gpu_attention(&dev, (&q, &k, &v), pos, shape, false);
             let err = max_err(&got, &want);
             println!("attention prefill pos={pos} rows={rows}: max err {err:.2e}");
             assert!(err <= TOL, "attention prefill pos={pos} rows={rows}: {err}");
@@ -383,7 +368,7 @@ fn attention_prefill_matches_cpu() {
 
 /// Other shapes, on the kernels' generic path (head dims padded to 128): head_dim 128, 40
 /// (not a multiple of 32), 41 and 17 (odd: unaligned rows), MHA (n_kv = n_heads), one head,
-/// 32; and 64 with 3 heads.
+/// 32; and 64 with 3 heads. One row runs both the prefill and the decode kernel.
 #[test]
 fn attention_other_shapes_match_cpu() {
     let Some(dev) = gpu() else { return };
@@ -404,15 +389,21 @@ fn attention_other_shapes_match_cpu() {
             let v = rand(&mut rng, (pos + rows) * kv_dim, 2.0);
             let mut want = vec![0.0; q.len()];
             cpu::attention(&mut want, &q, &k, &v, pos, n_heads, n_kv, head_dim);
-            let got = gpu_attention(&dev, &q, &k, &v, pos, n_heads, n_kv, head_dim);
-            let err = max_err(&got, &want);
-            println!(
-                "attention {n_heads}/{n_kv} heads hd={head_dim} pos={pos} rows={rows}: {err:.2e}"
-            );
-            assert!(
-                err <= TOL,
-                "attention {n_heads}/{n_kv}/{head_dim} pos={pos} rows={rows}: {err}"
-            );
+            // One row: the prefill kernel and the decode kernel.
+            let kernels: &[bool] = if rows == 1 { &[false, true] } else { &[false] };
+            for &decode in kernels {
+                let shape = (n_heads, n_kv, head_dim);
+                let got = gpu_attention(&dev, (&q, &k, &v), pos, shape, decode);
+                let err = max_err(&got, &want);
+                println!(
+                    "attention {n_heads}/{n_kv} heads hd={head_dim} pos={pos} rows={rows} \
+                     decode {decode}: {err:.2e}"
+                );
+                assert!(
+                    err <= TOL,
+                    "attention {n_heads}/{n_kv}/{head_dim} pos={pos} rows={rows} {decode}: {err}"
+                );
+            }
         }
     }
     // head_dim > 128 is refused with an error, for the sums and for the call.
