@@ -354,8 +354,9 @@ impl Device {
         // then 8 u32, f64*). Every size was checked above: the weights are GpuMatrix rows of
         // n_in (whole chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q
         // holds n_heads·head_dim, sums n_heads·(head_dim + 1); the kernel writes cache row
-        // pos[0] and reads table row pos[0] only below max_pos, else traps. Blocks are whole units of `split` warps, shared as
-        // `gemv_shared` (the reductions' slots and the staged x).
+        // pos[0] and reads table row pos[0] only below max_pos, else traps. Blocks are whole
+        // units of `split` warps, shared as `gemv_shared` (the reductions' slots and the
+        // staged x).
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
         unsafe { l.run(cfg, true) }?;
         Ok(())

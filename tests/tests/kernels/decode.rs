@@ -250,11 +250,26 @@ fn check_gate_up(dev: &Device, norm: &[f32], gate: &Mat, up: &Mat, x: &[f32]) ->
 
 /// `gemv_residual` of `v` onto a random residual `x0` against `cpu::add` of the product.
 fn check_residual(dev: &Device, rng: &mut Rng, w: &Mat, bias: Option<&[f32]>, v: &[f32]) -> f32 {
+    let bd = bias.map(|b| dev.upload(b).unwrap());
+    let vd = dev.upload(v).unwrap();
+    onto_residual(dev, rng, w, bias, v, |xd| {
+        dev.gemv_residual(xd, w.weight(), bd.as_ref(), &vd).unwrap()
+    })
+}
+
+/// `launch` (which adds `w·v + bias` into the residual it is given) on a random residual `x0`,
+/// against `cpu::add` of `w.cpu(v, bias)`: the worst error over the scale of the terms.
+fn onto_residual(
+    dev: &Device,
+    rng: &mut Rng,
+    w: &Mat,
+    bias: Option<&[f32]>,
+    v: &[f32],
+    launch: impl FnOnce(&mut CudaSlice<f32>),
+) -> f32 {
     let x0 = rng.vec(w.n_out());
     let mut xd = dev.upload(&x0).unwrap();
-    let bd = bias.map(|b| dev.upload(b).unwrap());
-    dev.gemv_residual(&mut xd, w.weight(), bd.as_ref(), &dev.upload(v).unwrap())
-        .unwrap();
+    launch(&mut xd);
     let got = dev.download(&xd).unwrap();
     let (y, mag) = w.cpu(v, bias);
     let mut want = x0.clone();
@@ -276,15 +291,9 @@ fn check_attn_output(dev: &Device, rng: &mut Rng, wo: &Mat, n_heads: usize) -> f
     dev.attention_decode(&mut sums, &q, &kc, &vc, &posd, n_heads)
         .unwrap();
     let att = sums.output(dev).unwrap();
-    let x0 = rng.vec(wo.n_out());
-    let mut xd = dev.upload(&x0).unwrap();
-    dev.attn_output(&mut xd, wo.weight(), &sums).unwrap();
-    let got = dev.download(&xd).unwrap();
-    let (y, mag) = wo.cpu(&att, None);
-    let mut want = x0.clone();
-    cpu::add(&mut want, &y);
-    let scale: Vec<f32> = mag.iter().zip(&x0).map(|(m, x)| m + x.abs()).collect();
-    worst(&got, &want, &scale)
+    onto_residual(dev, rng, wo, None, &att, |xd| {
+        dev.attn_output(xd, wo.weight(), &sums).unwrap()
+    })
 }
 
 /// `logits` with its arg-max for the token `x`: returns the worst error and checks the
