@@ -288,6 +288,14 @@ pub(crate) struct Sums {
     pub(crate) head_dim: u32,
 }
 
+impl Sums {
+    /// The softmax's sum of the head of element `k`.
+    #[inline(always)]
+    fn head_sum(self, k: usize) -> f64 {
+        unsafe { *self.sums.add(self.n as usize + k / self.head_dim as usize) }
+    }
+}
+
 impl Vector for Sums {
     #[inline(always)]
     fn load4(self, k: usize) -> [f32; 4] {
@@ -295,14 +303,13 @@ impl Vector for Sums {
         #[derive(Clone, Copy)]
         struct F64x2([f64; 2]);
         let [a, b] = [k, k + 2].map(|k| unsafe { *(self.sums.add(k) as *const F64x2) }.0);
-        let inv = 1.0 / unsafe { *self.sums.add(self.n as usize + k / self.head_dim as usize) };
+        let inv = 1.0 / self.head_sum(k);
         [a[0], a[1], b[0], b[1]].map(|x| (x * inv) as f32)
     }
 
     #[inline(always)]
     fn load(self, k: usize) -> f32 {
-        let l = unsafe { *self.sums.add(self.n as usize + k / self.head_dim as usize) };
-        (unsafe { *self.sums.add(k) } / l) as f32
+        (unsafe { *self.sums.add(k) } / self.head_sum(k)) as f32
     }
 }
 
