@@ -12,7 +12,7 @@
 //! - `logits`: RMSNorm, the vocabulary projection and, optionally, its arg-max;
 //! - `logit_bounds` and `argmax_bounded` (`_q8_0`, `_f16`): greedy decoding's arg-max of a
 //!   vocabulary projection in two passes, the first bounding every logit from the top bits
-//!   of its weights (q8_0: 22 of each chunk's 34 bytes; f16: the high bytes), the second
+//!   of its weights (q8_0: 18 of each chunk's 34 bytes; f16: the high bytes), the second
 //!   computing only the rows that can win.
 //!
 //! CPU twins: the compositions of `orcd::cpu::{rms_norm, matmul, rope_neox, silu_mul, add,
@@ -33,11 +33,12 @@
 use core::arch::nvptx;
 use core::cell::Cell;
 use core::intrinsics::sqrtf32;
-use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::attention::{ONE_TILE_KEYS, Sums};
 use crate::matmul::{
-    Held, Plain, Vector, Weights, family, gemv_units, lane_chunk, stage, with_weights,
+    Held, Plain, Vector, Weights, after_staging, family, gemv_units, lane_chunk, stage,
+    with_weights,
 };
 use crate::quant::{Packed, Q8_0, RADIUS, TopChunk, prmt};
 use crate::sampling::end_step;
@@ -505,7 +506,8 @@ pub(crate) trait Sketch {
     type W: Weights;
     /// A lane's chunk of the top bits.
     type Top: Copy;
-    /// The `[rows, n_in]` matrix at `w` and its plane of top bits at `plane`.
+    /// The `[rows, n_in]` matrix at `w` and (where the sketch has one) its plane of top bits
+    /// at `plane`.
     fn new(w: *const u8, plane: *const u8, rows: u32, n_in: u32) -> Self;
     /// Chunk `c` of `row`, read once.
     unsafe fn top(&self, row: usize, c: u32) -> Self::Top;
@@ -514,11 +516,10 @@ pub(crate) trait Sketch {
     fn bound(top: &Self::Top, x: &Held, x_abs: f32) -> (f32, f32);
 }
 
-/// A q8_0 matrix and its fifth-bit plane (`orcd::pack::fifth_bits`): 22 of each chunk's 34
-/// bytes, the quants' top five bits (`quant::Packed::bound`).
+/// A q8_0 matrix: 18 of each chunk's 34 bytes, the quants' high nibbles and the scale
+/// (`quant::Packed::bound`); it needs no plane of its own.
 pub(crate) struct Q8Sketch {
     w: Packed<Q8_0>,
-    fifth: *const u32,
 }
 
 impl Sketch for Q8Sketch {
@@ -526,16 +527,15 @@ impl Sketch for Q8Sketch {
     type Top = TopChunk;
 
     #[inline(always)]
-    fn new(w: *const u8, plane: *const u8, rows: u32, n_in: u32) -> Self {
+    fn new(w: *const u8, _plane: *const u8, rows: u32, n_in: u32) -> Self {
         Q8Sketch {
             w: Packed::new(w, rows, n_in),
-            fifth: plane as *const u32,
         }
     }
 
     #[inline(always)]
     unsafe fn top(&self, row: usize, c: u32) -> TopChunk {
-        unsafe { self.w.top_chunk(self.fifth, row, c) }
+        unsafe { self.w.top_chunk(row, c) }
     }
 
     #[inline(always)]
@@ -704,8 +704,9 @@ unsafe fn logit_bounds<S: Sketch>(
 /// the largest of its `n_lower` lower bounds, and only rows with `upper[r] >= T` (or NaN) are
 /// computed, as every row at least as large as the arg-max is. Ends the step as `logits` does
 /// (`grid_argmax`, `scratch` its 2 u64, zero). Each block takes a contiguous share of the rows,
-/// each warp 256 at a time. Grid: any; block: a multiple of 32 threads (at most 32 warps);
-/// shared: as `matmul::stage` says, for one warp per unit.
+/// lists those that pass in shared memory, and its warps take the list's rows in turn. Grid:
+/// any; block: a multiple of 32 threads (at most 32 warps); shared: as `matmul::stage` says,
+/// for one warp per unit, then `1 + ceil(n_out / grid)` words (the list and its length).
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn argmax_bounded<W: Weights>(
@@ -729,6 +730,11 @@ unsafe fn argmax_bounded<W: Weights>(
     let n_chunks = n_in / 32;
     let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
     let (live, c) = (lane < n_chunks, lane_chunk(1, n_chunks));
+    let (count, list) = (after_staging(n_in), after_staging(n_in).wrapping_add(1));
+    if thread() == 0 {
+        // Published by the norm's barrier.
+        unsafe { *count = 0 };
+    }
     // `x` is final before the grid before this one passed its wait (see `wait_prior_grids`).
     let (xs, s) = held_norm::<W>(x, norm, n_in, eps, 1);
     wait_prior_grids();
@@ -750,35 +756,49 @@ unsafe fn argmax_bounded<W: Weights>(
     let t = key_bound(warp_max_u32(t));
     let share = n_out.div_ceil(grid_dim());
     let end = n_out.min((block() + 1) * share);
-    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
-    let mut first = block() * share + WARP * BATCH * warp;
+    // The block's rows that may be the arg-max, onto the list: a warp's by one shared atomic.
+    let mut first = block() * share;
     while first < end {
-        // Bit k: row `first + 32k + lane` may be the arg-max.
-        let mut mine = 0u32;
-        for k in 0..BATCH {
-            let r = first + WARP * k + lane;
-            if r < end && !(unsafe { *upper.add(r as usize) } < t) {
-                mine |= 1 << k;
+        let r = [0, 1].map(|k| first + k * block_dim() + thread());
+        let pass = r.map(|r| r < end && !(unsafe { *upper.add(r as usize) } < t));
+        for k in 0..2 {
+            let lanes = ballot(pass[k]);
+            if lanes != 0 {
+                let leader = lanes.trailing_zeros();
+                let at = if lane == leader {
+                    // SAFETY: the block's count in shared memory, only used atomically here.
+                    unsafe { AtomicU32::from_ptr(count) }.fetch_add(lanes.count_ones(), Relaxed)
+                } else {
+                    0
+                };
+                let at = from_lane(at, leader) + (lanes & ((1 << lane) - 1)).count_ones();
+                if pass[k] {
+                    unsafe { *list.add(at as usize) = r[k] };
+                }
             }
         }
-        loop {
-            let lanes = ballot(mine != 0);
-            if lanes == 0 {
-                break;
-            }
-            let l = lanes.trailing_zeros();
-            let r = first + WARP * from_lane(mine, l).trailing_zeros() + l;
-            if lane == l {
-                mine &= mine - 1;
-            }
-            let ch = unsafe { w.load_chunk::<true>(r as usize, c) };
-            // As `gemv_units` and `logits` compute it, bit for bit.
-            let v = warp_sum(if live { W::dot(&ch, &xs) } else { 0.0 }) * s;
+        first += 2 * block_dim();
+    }
+    sync_threads();
+    let n = unsafe { *count };
+    // Two rows a warp at a time, both loaded before either is used. The list's order is the
+    // atomics', but `better` breaks ties by row, so the pick does not depend on it.
+    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
+    let mut i = warp;
+    while i < n {
+        let (r0, r1) = unsafe { (*list.add(i as usize), *list.add((i + warps).min(n - 1) as usize)) };
+        let (c0, c1) = unsafe { (w.load_chunk::<true>(r0 as usize, c), w.load_chunk::<true>(r1 as usize, c)) };
+        // As `gemv_units` and `logits` compute it, bit for bit. Written out: an array of the
+        // chunks would live in local memory.
+        let mut take = |ch: &W::Chunk, r: u32| {
+            let v = warp_sum(if live { W::dot(ch, &xs) } else { 0.0 }) * s;
             if better(v, r, bv, bi) {
                 (bv, bi) = (v, r);
             }
-        }
-        first += WARP * BATCH * warps;
+        };
+        take(&c0, r0);
+        take(&c1, r1);
+        i += 2 * warps;
     }
     grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
 }

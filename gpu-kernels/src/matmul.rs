@@ -277,6 +277,13 @@ fn staging() -> *mut f32 {
     shared::<f32>().wrapping_add(slots as usize)
 }
 
+/// Where the block's shared memory ends for a kernel that [`stage`]s `n` floats: what it may
+/// use beyond the staged vector (16-byte aligned). The host sizes it the same way.
+#[inline(always)]
+pub(crate) fn after_staging(n: u32) -> *mut u32 {
+    staging().wrapping_add(STAGED * n.div_ceil(32) as usize) as *mut u32
+}
+
 /// Stages `x ∘ g` (`n` long, `g` an RMSNorm's weights; `x` itself for None) in shared memory for
 /// the block's GEMV lanes: element `32c + i` (times `W::X_SCALE`) at `STAGED·c + i`, the sums of
 /// chunk `c`'s halves (unscaled) at `STAGED·c + 32` and `+ 33`. Each element is loaded once per

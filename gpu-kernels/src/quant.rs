@@ -337,46 +337,41 @@ impl<P: Packing> Weights for Packed<P> {
     }
 }
 
-/// The top five bits `u >> 3` of the quants `u = q + 128` of a q8_0 chunk (the high nibbles
-/// from `hi`, bit 3 from the fifth-bit plane of `orcd::pack::fifth_bits`) and its scale: 22 of
-/// the chunk's 34 bytes, what the greedy arg-max's bounds read ([`Packed::bound`]).
+/// The high nibbles `u >> 4` of the quants `u = q + 128` of a q8_0 chunk (its packed `hi`
+/// section) and its scale: 18 of the chunk's 34 bytes, what the greedy arg-max's bounds read
+/// ([`Packed::bound`]).
 #[derive(Clone, Copy)]
 pub struct TopChunk {
     hi: [u32; 4],
-    fifth: u32,
     sc: u32,
 }
 
-/// What [`Packed::bound`] puts in place of the 3 low bits `u & 7` of each quant: the middle of
-/// their range 0..=7, off by at most as much, so each weight by at most `RADIUS·|d|`.
-pub const RADIUS: f32 = 3.5;
+/// What [`Packed::bound`] puts in place of the low nibble `u & 15` of each quant: the middle of
+/// its range 0..=15, off by at most as much, so each weight by at most `RADIUS·|d|`.
+pub const RADIUS: f32 = 7.5;
 
 impl Packed<Q8_0> {
-    /// The top bits of chunk `c` of `row`, `fifth` the matrix's fifth-bit plane (a u32 per
-    /// chunk: byte `b`, bit `j` is bit 3 of `u[4j + b]`, bit `4 + j` that of `u[16 + 4j + b]`,
-    /// the elements of the `hi` word `j`'s byte `b`), read once (`load_streaming`).
+    /// The high nibbles and scale of chunk `c` of `row`, read once (`load_streaming`).
     #[inline(always)]
-    pub unsafe fn top_chunk(&self, fifth: *const u32, row: usize, c: u32) -> TopChunk {
+    pub unsafe fn top_chunk(&self, row: usize, c: u32) -> TopChunk {
         let c = row * self.chunks as usize + c as usize;
         unsafe {
             TopChunk {
                 hi: load_streaming(self.hi.add(16 * c) as *const U32x4).0,
-                fifth: load_streaming(fifth.add(c)),
                 sc: load_streaming(self.sc.add(c)) as u32,
             }
         }
     }
 
-    /// The chunk's dot product with `x` from its top bits `t = u >> 3`: `(e, m)` with the
+    /// The chunk's dot product with `x` from its high nibbles `t = u >> 4`: `(e, m)` with the
     /// exact `Σ d·(u - 128)·x` within `e ± RADIUS·m`, `m = |d|·Σ|x|` (`x_abs` = `Σ|x|` of the
     /// lane's 32 elements, unscaled). Floats from `t` as in `dot`, by one `prmt`.
     #[inline(always)]
     pub fn bound(ch: &TopChunk, x: &Held, x_abs: f32) -> (f32, f32) {
         let mut acc = [0.0f32; 4];
         for j in 0..4 {
-            let h = ch.hi[j];
-            let a = (h << 1) & 0x1e1e_1e1e | (ch.fifth >> j) & 0x0101_0101;
-            let b = (h >> 3) & 0x1e1e_1e1e | (ch.fifth >> (4 + j)) & 0x0101_0101;
+            // Byte `k` of `hi` word `j`: element `4j + k`'s nibble low, `16 + 4j + k`'s high.
+            let (a, b) = (ch.hi[j] & 0x0f0f_0f0f, ch.hi[j] >> 4 & 0x0f0f_0f0f);
             for k in 0..4 {
                 let t = |w: u32| f32::from_bits(prmt(w, 0, 0x4440 | k as u32));
                 acc[j % 2] = fma(t(a), x.x[4 * j + k], acc[j % 2]);
@@ -386,7 +381,7 @@ impl Packed<Q8_0> {
         let t = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * Q_SCALE;
         let d = f16_to_f32(ch.sc as u16);
         let zero = Q8_0::ZERO as f32 - RADIUS;
-        (d * (8.0 * t - zero * (x.sum[0] + x.sum[1])), d.abs() * x_abs)
+        (d * (16.0 * t - zero * (x.sum[0] + x.sum[1])), d.abs() * x_abs)
     }
 }
 

@@ -242,35 +242,6 @@ pub fn pack(ty: GgmlType, data: &[u8], n_in: usize) -> Result<Cow<'_, [u8]>> {
     Ok(Cow::Owned(out))
 }
 
-/// The fifth-bit plane of q8_0 blocks `data`: bit 3 of each quant `u = q + 128`, a u32 per
-/// chunk, in the order of the packed `hi` section's bytes (byte `b`, bit `j` for element
-/// `4j + b`, bit `4 + j` for `16 + 4j + b`), so that a lane turns its `hi` word `j` and this
-/// word into the quants' top five bits by two shifts and masks. With the high nibbles it is
-/// what the greedy arg-max's first pass reads (gpu-kernels' `decode::logit_bounds`).
-pub fn fifth_bits(data: &[u8]) -> Result<Vec<u32>> {
-    let bytes = GgmlType::Q8_0.block_bytes();
-    if !data.len().is_multiple_of(bytes) {
-        return Err(Error::Invalid(format!(
-            "fifth bits: {} bytes are not whole q8_0 blocks",
-            data.len()
-        )));
-    }
-    let bit = |b: &[u8], i: usize| u32::from((b[2 + i] ^ 0x80) >> 3 & 1);
-    Ok(data
-        .par_chunks(bytes)
-        .map(|b| {
-            let mut w = 0;
-            for j in 0..4 {
-                for k in 0..4 {
-                    w |= bit(b, 4 * j + k) << (8 * k + j)
-                        | bit(b, 16 + 4 * j + k) << (8 * k + 4 + j);
-                }
-            }
-            w
-        })
-        .collect())
-}
-
 /// The f32 weights of a packed matrix, decoded from the packed bytes alone: the CPU twin of the
 /// kernels' decoding, for tests (`dequantize_packed(pack(x)) == quant::dequantize(x)`).
 pub fn dequantize_packed(ty: GgmlType, packed: &[u8], rows: usize, n_in: usize) -> Vec<f32> {
@@ -383,31 +354,22 @@ mod tests {
         }
     }
 
-    /// With the packed high nibbles, the fifth bits give every quant's top five bits.
+    /// The packed q8_0 `hi` section holds each quant's high nibble where the greedy arg-max's
+    /// first pass reads it (gpu-kernels' `quant::Packed::bound`): byte `k` of word `j` of a
+    /// chunk, low nibble for element `4j + k`, high for `16 + 4j + k`.
     #[test]
-    fn fifth_bits_complete_the_high_nibbles() {
+    fn q8_0_high_nibbles_lie_where_the_bounds_read_them() {
         let (rows, n_in) = (3, 64);
         let data = random_blocks(GgmlType::Q8_0, rows * n_in / 32, 9);
-        let (packed, fifth) = (
-            pack(GgmlType::Q8_0, &data, n_in).unwrap(),
-            fifth_bits(&data).unwrap(),
-        );
+        let packed = pack(GgmlType::Q8_0, &data, n_in).unwrap();
         let hi = &packed[layout(GgmlType::Q8_0, rows, n_in).unwrap().hi..];
-        assert_eq!(fifth.len(), rows * n_in / 32);
-        for (c, (b, f)) in data.chunks(34).zip(&fifth).enumerate() {
+        for (c, b) in data.chunks(34).enumerate() {
             for i in 0..32 {
                 let (j, k, upper) = (i % 16 / 4, i % 4, i / 16);
                 let nibble = hi[16 * c + 4 * j + k] >> (4 * upper) & 15;
-                let fifth = f >> (8 * k + 4 * upper + j) & 1;
-                let top = u32::from(nibble) << 1 | fifth;
-                assert_eq!(
-                    top,
-                    u32::from(b[2 + i] ^ 0x80) >> 3,
-                    "chunk {c} element {i}"
-                );
+                assert_eq!(nibble, (b[2 + i] ^ 0x80) >> 4, "chunk {c} element {i}");
             }
         }
-        assert!(fifth_bits(&data[1..]).is_err());
     }
 
     #[test]

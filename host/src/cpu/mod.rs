@@ -32,8 +32,8 @@ pub fn argmax(x: &[f32]) -> u32 {
 
 /// Twin of the greedy arg-max's first pass over a q8_0 matrix (`logit_bounds_q8_0`): for
 /// each row of `w` (the file's blocks, rows of `xn.len()`), `(e, r)` such that its logit
-/// `w[r]·xn` lies within `e ± r`: `e` takes the low 3 bits of each quant `q + 128` as 3.5, the
-/// middle of 0..=7, and `r = 3.5·Σ|d|·Σ|xn|` over the row's blocks. In f64.
+/// `w[r]·xn` lies within `e ± r`: `e` takes the low nibble of each quant `q + 128` as 7.5, the
+/// middle of 0..=15, and `r = 7.5·Σ|d|·Σ|xn|` over the row's blocks. In f64.
 pub fn logit_bounds_q8_0(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
     let row_bytes = xn.len() / 32 * 34;
     w.par_chunks(row_bytes)
@@ -43,14 +43,14 @@ pub fn logit_bounds_q8_0(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
                 let d = f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32());
                 let (mut s, mut a) = (0.0, 0.0);
                 for (q, x) in b[2..].iter().zip(x) {
-                    let top = f64::from((q ^ 0x80) >> 3);
-                    s += (8.0 * top + 3.5 - 128.0) * f64::from(*x);
+                    let top = f64::from((q ^ 0x80) >> 4);
+                    s += (16.0 * top + 7.5 - 128.0) * f64::from(*x);
                     a += f64::from(x.abs());
                 }
                 e += d * s;
                 m += d.abs() * a;
             }
-            (e, 3.5 * m)
+            (e, 7.5 * m)
         })
         .collect()
 }
@@ -253,11 +253,11 @@ mod tests {
             b[..2]
                 .copy_from_slice(&f16::from_f32((next() % 1000) as f32 / 1e4 - 0.05).to_le_bytes());
         }
-        // Row 0: low bits all 0 (of q + 128), scales positive.
+        // Row 0: low nibbles all 0 (of q + 128), scales positive.
         for b in w[..n_in / 32 * 34].chunks_mut(34) {
             b[1] &= 0x7f;
             for q in &mut b[2..] {
-                *q = ((*q ^ 0x80) & !7) ^ 0x80;
+                *q = ((*q ^ 0x80) & !15) ^ 0x80;
             }
         }
         let x: Vec<f32> = (0..n_in).map(|_| (next() % 2000) as f32 / 1000.0).collect();

@@ -601,12 +601,11 @@ impl Device {
 }
 
 /// Greedy decoding's bounded arg-max over a q8_0 or f16 vocabulary projection (rows of at most
-/// 1,024, one warp each): the plane of its weights' top bits that the first pass reads (q8_0:
-/// the fifth bits of `pack::fifth_bits`, beside the packed high nibbles; f16: the high bytes),
-/// and the buffers of its two passes, the rows' upper bounds and a lower bound per block of the
-/// first.
+/// 1,024, one warp each): for f16, the plane of its weights' high bytes that the first pass
+/// reads (q8_0's reads the packed matrix's high nibbles); the buffers of its two passes, the
+/// rows' upper bounds and a lower bound per block of the first.
 pub struct BoundedArgmax {
-    plane: CudaSlice<u8>,
+    plane: Option<CudaSlice<u8>>,
     upper: CudaSlice<f32>,
     lower: CudaSlice<u32>,
     /// Bytes of the matrix and plane the first pass reads.
@@ -620,14 +619,9 @@ impl BoundedArgmax {
         matches!(ty, GgmlType::Q8_0 | GgmlType::F16) && n_in <= 1024
     }
 
-    /// Bytes of its plane per row of `n_in` of `ty`: q8_0, a word per chunk; f16, a byte per
-    /// weight.
+    /// Bytes of its plane per row of `n_in` of `ty`: f16, a byte per weight; q8_0, none.
     fn plane_bytes(ty: GgmlType, n_in: usize) -> usize {
-        if ty == GgmlType::F16 {
-            n_in
-        } else {
-            n_in / 32 * 4
-        }
+        if ty == GgmlType::F16 { n_in } else { 0 }
     }
 
     /// Its bytes on the GPU for `rows` rows of `n_in` of `ty`: the plane and an upper bound per
@@ -642,19 +636,17 @@ impl BoundedArgmax {
         dev.download(&self.upper)
     }
 
-    /// Bytes its first pass reads: q8_0, each chunk's high nibbles (16), fifth bits (4) and
-    /// scale (2); f16, the high bytes. The second reads the few rows it computes exactly, not
-    /// counted.
+    /// Bytes its first pass reads: q8_0, each chunk's high nibbles (16) and scale (2); f16, the
+    /// high bytes. The second reads the few rows it computes exactly, not counted.
     pub fn first_pass_bytes(&self) -> usize {
         self.first_pass
     }
 }
 
 impl Device {
-    /// What [`Device::argmax_bounded`] needs for the matrix `w`, uploaded from the file's
-    /// blocks `data` (q8_0; for f16 the plane comes from `w` itself); `None` where it does not
+    /// What [`Device::argmax_bounded`] needs for the matrix `w`; `None` where it does not
     /// apply: other types, rows longer than 1,024.
-    pub fn bounded_argmax(&self, w: &GpuMatrix, data: &[u8]) -> Result<Option<BoundedArgmax>> {
+    pub fn bounded_argmax(&self, w: &GpuMatrix) -> Result<Option<BoundedArgmax>> {
         if !BoundedArgmax::applies(w.ty(), w.n_in()) {
             return Ok(None);
         }
@@ -672,18 +664,9 @@ impl Device {
                 // of n_in plain f16).
                 unsafe { l.run(cfg, false) }?;
             }
-            (plane, n)
+            (Some(plane), n)
         } else {
-            let fifth = crate::pack::fifth_bits(data)?;
-            check(
-                fifth.len() == n / 32,
-                "bounded arg-max: blocks of the matrix",
-            )?;
-            // SAFETY: a u32 is 4 bytes with no padding and any bit pattern is a valid u8; the
-            // device reads the words as they lie in memory (little-endian, as the GPU).
-            let bytes =
-                unsafe { std::slice::from_raw_parts(fifth.as_ptr().cast::<u8>(), 4 * fifth.len()) };
-            (self.upload(bytes)?, n / 32 * (16 + 4 + 2))
+            (None, n / 32 * (16 + 2))
         };
         let blocks = self.bounds_launch(w)?.grid_dim.0 as usize;
         Ok(Some(BoundedArgmax {
@@ -703,7 +686,7 @@ impl Device {
 
     /// What `logits` with `best` gives in `best`'s words (the same token, and the same end
     /// of the step), without the logits: a first pass bounds every row's logit from the top
-    /// bits of its weights (q8_0: the quants' top five bits, 22 of each chunk's 34 bytes; f16:
+    /// bits of its weights (q8_0: the quants' high nibbles, 18 of each chunk's 34 bytes; f16:
     /// the high bytes, half), a second computes exactly, as `logits` does, only the rows whose
     /// upper bound reaches the largest lower bound (the arg-max is one of them). `w` the matrix
     /// `b` was made for. Twin: `cpu::logit_bounds_q8_0` or `cpu::logit_bounds_f16` (the first
@@ -724,7 +707,8 @@ impl Device {
         let (out, scratch, end) = best;
         check(
             BoundedArgmax::applies(w.ty(), n_in)
-                && b.plane.len() == n_out * BoundedArgmax::plane_bytes(w.ty(), n_in)
+                && b.plane.as_ref().map_or(0, |p| p.len())
+                    == n_out * BoundedArgmax::plane_bytes(w.ty(), n_in)
                 && b.upper.len() == n_out
                 && out.len() >= 1
                 && scratch.len() >= 2
@@ -743,7 +727,8 @@ impl Device {
         let (np, _n) = norm.device_ptr(s);
         check_aligned(&[xp, np], WHAT)?;
         let (wp, _w) = w.ptr(s);
-        let (pp, _p) = b.plane.device_ptr(s);
+        let plane = b.plane.as_ref().map(|p| p.device_ptr(s));
+        let pp = plane.as_ref().map_or(0, |(p, _)| *p);
         let (up, _u) = b.upper.device_ptr_mut(s);
         let (lp, _l) = b.lower.device_ptr_mut(s);
         let mut l = self.launch(&bounded_kernel("logit_bounds", w.ty()));
@@ -751,17 +736,23 @@ impl Device {
         l.arg(&wp).arg(&pp).arg(&n_in).arg(&n_out);
         // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
         // u32, u32). w is n_out q8_0 or f16 GpuMatrix rows of n_in <= 1024 (whole chunks, one
-        // warp each) with its plane (16-byte aligned, as every allocation); x and norm hold
+        // warp each) with its plane for f16 (16-byte aligned, as every allocation; null for
+        // q8_0, whose sketch reads none); x and norm hold
         // n_in, 16-byte aligned; upper holds n_out and lower a word per block; blocks are whole
         // warps, shared as `gemv_shared`.
         // It may overlap the kernel before: it reads only weights before it waits.
         unsafe { l.run(first, true) }?;
 
+        // A block a multiprocessor, or more where a block's share of the rows (listed in its
+        // shared memory) would pass `LIST`.
+        const LIST: u32 = 4096;
+        let blocks = self.sm_count()?.max(n_out.div_ceil(LIST));
+        let list = 4 * (1 + n_out.div_ceil(blocks));
         let g = Geometry {
             threads: 32 * MAX_WARPS,
             per_block: MAX_WARPS,
-            blocks: self.sm_count()?,
-            shared: gemv_shared(32 * MAX_WARPS, n_in as usize)?,
+            blocks,
+            shared: gemv_shared(32 * MAX_WARPS, n_in as usize)? + list,
         };
         let name = bounded_kernel(WHAT, w.ty());
         let second = self.gemv_launch(&name, &g, g.blocks)?;
@@ -777,7 +768,7 @@ impl Device {
         // f32, const u8*, u32, u32, u32* or null, u32, u32* or null, u64* or null). As above;
         // out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); `logit_bounds`
         // wrote upper and n_lower words of lower; the step's end writes tokens below n_tokens,
-        // one pos and one step.
+        // one pos and one step; shared as `gemv_shared` and the list of a block's share.
         // It may overlap `logit_bounds`: it reads x (final before that one's wait) and norm
         // before it waits.
         unsafe { l.run(second, true) }?;

@@ -239,7 +239,7 @@ impl CudaModel {
             .collect::<Result<Vec<_>>>()?;
         let output_name = output_name(&cfg);
         let output = matrix(output_name)?;
-        let bounded = dev.bounded_argmax(&output, g.tensor_data(g.tensor(output_name)?))?;
+        let bounded = dev.bounded_argmax(&output)?;
         let (h, n) = (cfg.hidden, MAX_BATCH);
         let buf = Buffers {
             x: dev.zeros(n * h)?,
