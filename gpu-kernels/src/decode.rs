@@ -739,28 +739,42 @@ unsafe fn argmax_bounded<W: Weights>(
     let (xs, s) = held_norm::<W>(x, norm, n_in, eps, 1);
     wait_prior_grids();
     allow_next_grid();
+    let share = n_out.div_ceil(grid_dim());
+    let end = n_out.min((block() + 1) * share);
+    // Two of the block's rows a thread: their upper bounds, loaded with the lower bounds
+    // below (one L2 round trip for both).
+    let uppers = |first: u32| {
+        [0, 1].map(|k| {
+            let r = first + k * block_dim() + thread();
+            (r, unsafe { *upper.add(r.min(end - 1) as usize) })
+        })
+    };
+    let mut first = block() * share;
+    let mut next = uppers(first);
     // Loads in batches of `BATCH` a lane, all in flight at once: a loop of one load at a
     // time would wait for each in turn.
     const BATCH: u32 = 8;
     let mut t = 0u32;
-    let mut first = 0;
-    while first < n_lower {
+    let mut i0 = 0;
+    while i0 < n_lower {
         for k in 0..BATCH {
-            let i = first + WARP * k + lane;
+            let i = i0 + WARP * k + lane;
             if i < n_lower {
                 t = t.max(unsafe { *lower.add(i as usize) });
             }
         }
-        first += WARP * BATCH;
+        i0 += WARP * BATCH;
     }
     let t = key_bound(warp_max_u32(t));
-    let share = n_out.div_ceil(grid_dim());
-    let end = n_out.min((block() + 1) * share);
     // The block's rows that may be the arg-max, onto the list: a warp's by one shared atomic.
-    let mut first = block() * share;
     while first < end {
-        let r = [0, 1].map(|k| first + k * block_dim() + thread());
-        let pass = r.map(|r| r < end && !(unsafe { *upper.add(r as usize) } < t));
+        let now = next;
+        first += 2 * block_dim();
+        if first < end {
+            next = uppers(first);
+        }
+        let r = now.map(|(r, _)| r);
+        let pass = now.map(|(r, u)| r < end && !(u < t));
         for k in 0..2 {
             let lanes = ballot(pass[k]);
             if lanes != 0 {
@@ -777,7 +791,6 @@ unsafe fn argmax_bounded<W: Weights>(
                 }
             }
         }
-        first += 2 * block_dim();
     }
     sync_threads();
     let n = unsafe { *count };
