@@ -16,6 +16,6 @@ pub mod tokenizer;
 pub use error::{Error, Result};
 
 /// The PTX of every kernel in `gpu-kernels/`, built by `build.rs` for sm_80 (A100 and later).
-pub const PTX: &str = include_str!(env!("ORCD_PTX"));
+pub static PTX: &str = include_str!(env!("ORCD_PTX"));
 /// The same kernels built for sm_90 (H100 and later): with programmatic dependent launch.
-pub const PTX_SM90: &str = include_str!(env!("ORCD_PTX_SM90"));
+pub static PTX_SM90: &str = include_str!(env!("ORCD_PTX_SM90"));

@@ -1,7 +1,7 @@
 //! `cargo xtask gpu-bundle [--out bundle]`: everything a GPU machine without Rust or network
 //! needs to run orcd's tests, in one folder: the CLI (`bin/orcd`), every test executable
-//! (`tests/`), built in release and stripped, the PTX (`orcd.ptx`, `orcd-sm90.ptx`), the
-//! reference outputs (`refs/`) and `run-gpu-tests.sh` / `memcheck.sh` to run them.
+//! (`tests/`), built in release and stripped (each embeds the PTX it loads), the reference
+//! outputs (`refs/`) and `run-gpu-tests.sh` / `memcheck.sh` to run them.
 use anyhow::{Context, Result, bail, ensure};
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -60,8 +60,6 @@ pub fn main(args: Args) -> Result<()> {
         );
         copy_stripped(&test.path, &dest)?;
     }
-    fs::write(out.join("orcd.ptx"), orcd::PTX)?;
-    fs::write(out.join("orcd-sm90.ptx"), orcd::PTX_SM90)?;
     let refs = root.join("../shared/refs").join(REFS);
     fs::copy(&refs, out.join("refs").join(REFS))
         .with_context(|| format!("copying {}", refs.display()))?;
