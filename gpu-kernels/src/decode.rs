@@ -730,7 +730,9 @@ unsafe fn argmax_bounded<W: Weights>(
     let n_chunks = n_in / 32;
     let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
     let (live, c) = (lane < n_chunks, lane_chunk(1, n_chunks));
-    let (count, list) = (after_staging(n_in), after_staging(n_in).wrapping_add(1));
+    // The list's length, then the list.
+    let count = after_staging(n_in);
+    let list = count.wrapping_add(1);
     if thread() == 0 {
         // Published by the norm's barrier.
         unsafe { *count = 0 };
@@ -799,8 +801,10 @@ unsafe fn argmax_bounded<W: Weights>(
     let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
     let mut i = warp;
     while i < n {
-        let (r0, r1) = unsafe { (*list.add(i as usize), *list.add((i + warps).min(n - 1) as usize)) };
-        let (c0, c1) = unsafe { (w.load_chunk::<true>(r0 as usize, c), w.load_chunk::<true>(r1 as usize, c)) };
+        let row = |i: u32| unsafe { *list.add(i.min(n - 1) as usize) };
+        let (r0, r1) = (row(i), row(i + warps));
+        let chunk = |r: u32| unsafe { w.load_chunk::<true>(r as usize, c) };
+        let (c0, c1) = (chunk(r0), chunk(r1));
         // As `gemv_units` and `logits` compute it, bit for bit. Written out: an array of the
         // chunks would live in local memory.
         let mut take = |ch: &W::Chunk, r: u32| {

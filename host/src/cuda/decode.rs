@@ -737,9 +737,8 @@ impl Device {
         // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
         // u32, u32). w is n_out q8_0 or f16 GpuMatrix rows of n_in <= 1024 (whole chunks, one
         // warp each) with its plane for f16 (16-byte aligned, as every allocation; null for
-        // q8_0, whose sketch reads none); x and norm hold
-        // n_in, 16-byte aligned; upper holds n_out and lower a word per block; blocks are whole
-        // warps, shared as `gemv_shared`.
+        // q8_0, whose sketch reads none); x and norm hold n_in, 16-byte aligned; upper holds
+        // n_out and lower a word per block; blocks are whole warps, shared as `gemv_shared`.
         // It may overlap the kernel before: it reads only weights before it waits.
         unsafe { l.run(first, true) }?;
 
