@@ -40,7 +40,7 @@ use crate::matmul::{
     Held, Plain, Vector, Weights, after_staging, family, gemv_units, lane_chunk, stage,
     with_weights,
 };
-use crate::quant::{Packed, Q8_0, RADIUS, TopChunk, prmt};
+use crate::quant::{DIGIT_RADIUS, Packed, Q8_0, RADIUS, TopChunk, prmt};
 use crate::sampling::end_step;
 use crate::util::{
     WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp,
@@ -48,21 +48,23 @@ use crate::util::{
     thread, wait_prior_grids, warp_max_u32, warp_sum,
 };
 
-/// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block,
-/// and the RMSNorm's scale `1/sqrt(mean(x²) + eps)` (correctly rounded square root and
-/// division, as the CPU's). Every thread of the block must call it (it syncs).
+/// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block
+/// (as digits with `DIGITS`, see `matmul::stage`), and the RMSNorm's scale `1/sqrt(mean(x²) +
+/// eps)` (correctly rounded square root and division, as the CPU's). Every thread of the block
+/// must call it (it syncs).
 #[inline(always)]
-fn held_norm<W: Weights>(
+fn held_norm<W: Weights, const DIGITS: bool>(
     x: *const f32,
     g: *const f32,
     n_in: u32,
     eps: f32,
     split: u32,
 ) -> (Held, f32) {
-    let ss = stage::<W>(x, Some(g), n_in);
+    let ss = stage::<W, DIGITS>(x, Some(g), n_in);
     // The sum's barrier also publishes the staged vector.
     let s = 1.0 / sqrtf32(block_sum(ss) / n_in as f32 + eps);
-    (Held::staged::<W>(lane_chunk(split, n_in / 32), n_in / 32), s)
+    let c = lane_chunk(split, n_in / 32);
+    (Held::staged::<W, DIGITS>(c, n_in / 32), s)
 }
 
 /// `bias[r]` by `load_early`, or 0 for a null bias.
@@ -154,7 +156,7 @@ unsafe fn attn_qkv_family<const F: u32>(
             }
             let p = unsafe { *pos };
             // The norm's loads fly with the position's; the check waits for both.
-            let (x, s) = held_norm::<W>(x, norm, n_in, eps, split);
+            let (x, s) = held_norm::<W, false>(x, norm, n_in, eps, split);
             if p >= max_pos {
                 unsafe { nvptx::trap() };
             }
@@ -230,7 +232,7 @@ impl Qkv {
                 unsafe { (*out.add(r0), *out.add(r1)) = (a, b) };
             }
         };
-        gemv_units::<W, _, _, true, true>(held, chunks, n_pairs, split, block, blocks, rows, out);
+        gemv_units::<W, _, _, true, true, false>(held, chunks, n_pairs, split, block, blocks, rows, out);
     }
 }
 
@@ -255,7 +257,7 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 ) {
     with_weights!(F, ty, W => {
         let (gate, up) = (W::new(w_gate, n_out, n_in), W::new(w_up, n_out, n_in));
-        let held = || held_norm::<W>(x, norm, n_in, eps, split);
+        let held = || held_norm::<W, true>(x, norm, n_in, eps, split);
         let rows = |r: u32| [(&gate, r as usize), (&up, r as usize)];
         let out = |r: u32, s: f32| {
             move |[g, u]: [f32; 2]| {
@@ -263,7 +265,7 @@ unsafe fn ffn_gate_up_family<const F: u32>(
                 unsafe { *h.add(r as usize) = g / (1.0 + exp(-g)) * u };
             }
         };
-        gemv_units::<W, f32, _, true, false>(held, n_in / 32, n_out, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true, false, true>(held, n_in / 32, n_out, split, block(), grid_dim(), rows, out)
     })
 }
 
@@ -281,7 +283,7 @@ unsafe fn gemv_residual_family<const F: u32>(
     n_out: u32,
     split: u32,
 ) {
-    unsafe { residual::<F, false>(y, v, w, ty, bias, n_in, n_out, split) }
+    unsafe { residual::<F, false, true>(y, v, w, ty, bias, n_in, n_out, split) }
 }
 
 /// `y[r] += w[r]·v` for `r` in `0..n_out`, with `v` the decode attention's `sums`
@@ -306,18 +308,18 @@ unsafe fn attn_output_family<const F: u32>(
         n: n_in,
         head_dim,
     };
-    unsafe { residual::<F, true>(y, v, w, ty, core::ptr::null(), n_in, n_out, split) }
+    unsafe { residual::<F, true, false>(y, v, w, ty, core::ptr::null(), n_in, n_out, split) }
 }
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
 /// place on the residual stream. Units are pairs of rows. For packed weights, or with
 /// `STAGED`, each block stages `v` once in shared memory for all its units (so that few blocks
-/// of many units read few copies of it). Grid: a block for every `blockDim / 32 / split`
+/// of many units read few copies of it), as digits with `DIGITS` (`matmul::stage`). Grid: a block for every `blockDim / 32 / split`
 /// units, each one round (`gemv_units`' `ONE`); block: a multiple of `32·split` threads;
 /// shared: 2 f32 per warp, or staged as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn residual<const F: u32, const STAGED: bool>(
+unsafe fn residual<const F: u32, const STAGED: bool, const DIGITS: bool>(
     y: *mut f32,
     v: impl Vector,
     w: *const u8,
@@ -338,9 +340,9 @@ unsafe fn residual<const F: u32, const STAGED: bool>(
         let staged = STAGED || family::serves(family::PACKED, F);
         let held = || {
             if staged {
-                stage::<W>(v, None, n_in);
+                stage::<W, DIGITS>(v, None, n_in);
                 sync_threads();
-                (Held::staged::<W>(c, chunks), ())
+                (Held::staged::<W, DIGITS>(c, chunks), ())
             } else {
                 (Held::load::<W, true>(v, c, n_in), ())
             }
@@ -359,7 +361,7 @@ unsafe fn residual<const F: u32, const STAGED: bool>(
                 }
             }
         };
-        gemv_units::<W, (), _, true, true>(held, chunks, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, (), _, true, true, DIGITS>(held, chunks, units, split, block(), grid_dim(), rows, out)
     })
 }
 
@@ -398,7 +400,7 @@ unsafe fn logits_family<const F: u32>(
     let best_here = Cell::new((f32::NEG_INFINITY, u32::MAX));
     with_weights!(F, ty, W => {
         let w = W::new(w, n_out, n_in);
-        let held = || held_norm::<W>(x, norm, n_in, eps, split);
+        let held = || held_norm::<W, false>(x, norm, n_in, eps, split);
         let rows = |u: u32| [(&w, 2 * u as usize), (&w, (2 * u + 1).min(n_out - 1) as usize)];
         let best_here = &best_here;
         let out = |u: u32, scale: f32| {
@@ -416,7 +418,7 @@ unsafe fn logits_family<const F: u32>(
             }
         };
         let units = n_out.div_ceil(2);
-        gemv_units::<W, f32, _, true, false>(held, n_in / 32, units, split, block(), grid_dim(), rows, out)
+        gemv_units::<W, f32, _, true, false, false>(held, n_in / 32, units, split, block(), grid_dim(), rows, out)
     });
     if !best.is_null() {
         let (bv, bi) = best_here.get();
@@ -511,8 +513,10 @@ pub(crate) trait Sketch {
     fn new(w: *const u8, plane: *const u8, rows: u32, n_in: u32) -> Self;
     /// Chunk `c` of `row`, read once.
     unsafe fn top(&self, row: usize, c: u32) -> Self::Top;
-    /// `(estimate, radius)` of the chunk's product with the lane's `x` (`x_abs` = its `Σ|x|`,
-    /// unscaled).
+    /// The lane's chunk of `x` and its `Σ|x|` (unscaled) as `bound` takes them.
+    fn prepare(x: Held, x_abs: f32) -> (Held, f32);
+    /// `(estimate, radius)` of the chunk's product with the lane's `x` and `x_abs`, as
+    /// `prepare` gives them.
     fn bound(top: &Self::Top, x: &Held, x_abs: f32) -> (f32, f32);
 }
 
@@ -536,6 +540,15 @@ impl Sketch for Q8Sketch {
     #[inline(always)]
     unsafe fn top(&self, row: usize, c: u32) -> TopChunk {
         unsafe { self.w.top_chunk(row, c) }
+    }
+
+    /// The lane's chunk as digits (taken once a pass; H100 decode +0.5%), and `Σ|x|` widened
+    /// to cover them (`quant::DIGIT_RADIUS`).
+    #[inline(always)]
+    fn prepare(x: Held, x_abs: f32) -> (Held, f32) {
+        let x = x.digits(1.0 / Packed::<Q8_0>::X_SCALE);
+        let x_abs = x_abs + DIGIT_RADIUS * x.unit();
+        (x, x_abs)
     }
 
     #[inline(always)]
@@ -576,6 +589,12 @@ impl Sketch for F16Sketch {
         };
         let (g0, g1, g2, g3) = (group(0), group(1), group(2), group(3));
         [g0[0], g0[1], g1[0], g1[1], g2[0], g2[1], g3[0], g3[1]]
+    }
+
+    /// Floats, as staged.
+    #[inline(always)]
+    fn prepare(x: Held, x_abs: f32) -> (Held, f32) {
+        (x, x_abs)
     }
 
     #[inline(always)]
@@ -651,12 +670,12 @@ unsafe fn logit_bounds<S: Sketch>(
     let mut chunks = load(u);
     wait_prior_grids();
     allow_next_grid();
-    let (xs, s) = held_norm::<S::W>(x, norm, n_in, eps, 1);
+    let (xs, s) = held_norm::<S::W, false>(x, norm, n_in, eps, 1);
     let mut x_abs = 0.0;
     for i in 0..32 {
         x_abs += xs.x[i].abs();
     }
-    let x_abs = x_abs / S::W::X_SCALE;
+    let (xs, x_abs) = S::prepare(xs, x_abs / S::W::X_SCALE);
     let mut most = 0u32;
     while u < units {
         let next = load(u + stride);
@@ -738,7 +757,7 @@ unsafe fn argmax_bounded<W: Weights>(
         unsafe { *count = 0 };
     }
     // `x` is final before the grid before this one passed its wait (see `wait_prior_grids`).
-    let (xs, s) = held_norm::<W>(x, norm, n_in, eps, 1);
+    let (xs, s) = held_norm::<W, false>(x, norm, n_in, eps, 1);
     wait_prior_grids();
     allow_next_grid();
     let share = n_out.div_ceil(grid_dim());

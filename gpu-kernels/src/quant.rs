@@ -10,6 +10,10 @@
 //! integer-to-float `cvt` runs at a quarter of the rate). `load8` gives weights exactly as the
 //! CPU computes them (same operations, same order; rustc sets no fast-math flags, so nothing is
 //! contracted into an FMA); the GEMV's `dot` factors the scales out of each half-chunk's sum.
+//!
+//! Where a GEMV holds its vector as digits ([`digits4`]: FFN gate/up and down, greedy's first
+//! pass), `dot_digits` multiplies the quant bytes by them with `dp4a`, exactly in integers: 16
+//! instructions a chunk-row where `dot` takes 32 `prmt` and 32 FMAs.
 use core::marker::PhantomData;
 
 use crate::matmul::{Align16, Held, Weights, with_weights};
@@ -46,6 +50,68 @@ pub(crate) fn prmt(a: u32, b: u32, sel: u32) -> u32 {
             in(reg32) sel, options(pure, nomem, nostack))
     };
     r
+}
+
+/// `dp4a.u32.s32`: `c` plus the sum of the products of `a`'s bytes (unsigned) and `b`'s
+/// (signed), exactly.
+#[inline(always)]
+pub(crate) fn dp4a(a: u32, b: u32, c: i32) -> i32 {
+    let r: i32;
+    unsafe {
+        core::arch::asm!("dp4a.u32.s32 {0}, {1}, {2}, {3};", out(reg32) r, in(reg32) a,
+            in(reg32) b, in(reg32) c, options(pure, nomem, nostack))
+    };
+    r
+}
+
+/// A vector's chunk of 32 elements as two int8 digits an element, `x ≈ unit·(256h + l)`: with
+/// `e` the biased exponent of the chunk's largest magnitude (at least 14), `t = x·2^(132 - e)`
+/// is below 64 in magnitude, `h` is `t` rounded to nearest (even) and `l` is `256·(t - h)` so
+/// rounded and cut to 127, and `unit = 2^(e - 140)`. So each element is within `unit` of
+/// `unit·(256h + l)` (`unit/2` unless `l` was cut), at most 2^-13 of the chunk's largest; an
+/// infinity or NaN in the chunk (`e` 255) makes `unit` NaN. Twin: `orcd::cpu::digits`.
+///
+/// `(2^(132 - e), unit)` for the chunk whose largest magnitude has the bits `top` (sign clear;
+/// an integer maximum of the bits, so that NaN counts).
+#[inline(always)]
+pub(crate) fn digit_scale(top: u32) -> (f32, f32) {
+    let e = (top >> 23).max(14);
+    let unit = if e == 255 {
+        f32::NAN
+    } else {
+        f32::from_bits((e - 13) << 23)
+    };
+    (f32::from_bits((259 - e) << 23), unit)
+}
+
+/// 1.5·2^23: adding it rounds a float under 2^22 in magnitude to an integer (nearest, even on
+/// ties), which the sum's low bits hold in two's complement.
+const ROUND: f32 = 12_582_912.0;
+
+/// The digits of four elements `v` of a chunk (`t = v·p2`, `p2` from [`digit_scale`]): the word
+/// of their `h` bytes and the word of their `l` bytes.
+#[inline(always)]
+pub(crate) fn digits4(v: [f32; 4], p2: f32) -> (u32, u32) {
+    let (mut h, mut l) = (0u32, 0u32);
+    // Indexed: an iterator over `v` puts it in local memory.
+    for k in 0..4 {
+        let t = v[k] * p2;
+        let th = t + ROUND;
+        // `t - h` is exact, and so is its product by 256.
+        let tl = fma(t - (th - ROUND), 256.0, ROUND).min(ROUND + 127.0);
+        // The low bytes of the sums (shifts and ORs: `prmt`s here cost the first pass 33
+        // registers).
+        h |= (th.to_bits() & 0xff) << (8 * k);
+        l |= (tl.to_bits() & 0xff) << (8 * k);
+    }
+    (h, l)
+}
+
+/// `Σ(256h + l)` of the four elements of [`digits4`]' words `h` and `l`, exactly.
+#[inline(always)]
+pub(crate) fn digit_sum(h: u32, l: u32) -> i32 {
+    const ONES: u32 = 0x0101_0101;
+    256 * dp4a(ONES, h, 0) + dp4a(ONES, l, 0)
 }
 
 /// `MAGIC +` byte `k` of `w`: one `prmt` puts the byte under `MAGIC`'s exponent.
@@ -243,6 +309,7 @@ impl<P: Packing> Packed<P> {
 impl<P: Packing> Weights for Packed<P> {
     type Chunk = Chunk;
     const X_SCALE: f32 = X_SCALE;
+    const DIGITS: bool = true;
 
     #[inline(always)]
     fn new(w: *const u8, rows: u32, n_in: u32) -> Self {
@@ -335,6 +402,32 @@ impl<P: Packing> Weights for Packed<P> {
             d
         }
     }
+
+    /// `dot` on digits: `Σ(q - z)·(256h + l)` of each half from 4 `dp4a`s, exact in i32 (at
+    /// most 16·255·16,512 plus `z·Σ`), then times `unit` and the half's scale.
+    #[inline(always)]
+    fn dot_digits(ch: &Chunk, x: &Held) -> f32 {
+        let mut acc = [0i32; 4];
+        for j in 0..4 {
+            // Elements 4j..4j + 4 (`a`) and 16 + 4j.. (`b`): digit words j and 4 + j.
+            let (a, b) = Self::quant_bytes(ch.lo[j], ch.hi[j * P::BITS as usize / 4], j as u32);
+            acc[0] = dp4a(a, x.high(j), acc[0]);
+            acc[1] = dp4a(a, x.low(j), acc[1]);
+            acc[2] = dp4a(b, x.high(4 + j), acc[2]);
+            acc[3] = dp4a(b, x.low(4 + j), acc[3]);
+        }
+        let ([s0x, s1x], unit) = (x.digit_sums(), x.unit());
+        let z = P::ZERO as i32;
+        let half = |h: i32, l: i32, sum: i32| (256 * h + l - z * sum) as f32 * unit;
+        let (a, b) = (half(acc[0], acc[1], s0x), half(acc[2], acc[3], s1x));
+        let (s0, s1, m) = P::scales(ch.sc, ch.sup);
+        let d = s0 * a + s1 * b;
+        if P::MIN {
+            d - m * ((s0x + s1x) as f32 * unit)
+        } else {
+            d
+        }
+    }
 }
 
 /// The high nibbles `u >> 4` of the quants `u = q + 128` of a q8_0 chunk (its packed `hi`
@@ -363,27 +456,36 @@ impl Packed<Q8_0> {
         }
     }
 
-    /// The chunk's dot product with `x` from its high nibbles `t = u >> 4`: `(e, m)` with the
-    /// exact `Σ d·(u - 128)·x` within `e ± RADIUS·m`, `m = |d|·Σ|x|` (`x_abs` = `Σ|x|` of the
-    /// lane's 32 elements, unscaled). Floats from `t` as in `dot`, by one `prmt`.
+    /// The chunk's dot product with `x` (held as digits, `Held::digits`) from its high nibbles
+    /// `t = u >> 4`: `(e, m)` with the exact `Σ d·(u - 128)·x` within `e ± RADIUS·m`, `m =
+    /// |d|·x_abs` (`x_abs`: the lane's `Σ|x|` plus [`DIGIT_RADIUS`] times its digits' unit).
+    /// `e = d·Σ(16t + RADIUS - 128)·x` over the digits, from 4 `dp4a`s a half in integers
+    /// (`32·Σt·(256h + l) - 241·Σ(256h + l)`: at most 32·15·32·16,512 plus 241·32·16,512).
     #[inline(always)]
     pub fn bound(ch: &TopChunk, x: &Held, x_abs: f32) -> (f32, f32) {
-        let mut acc = [0.0f32; 4];
+        let mut acc = [0i32; 4];
         for j in 0..4 {
             // Byte `k` of `hi` word `j`: element `4j + k`'s nibble low, `16 + 4j + k`'s high.
             let (a, b) = (ch.hi[j] & 0x0f0f_0f0f, ch.hi[j] >> 4 & 0x0f0f_0f0f);
-            for k in 0..4 {
-                let t = |w: u32| f32::from_bits(prmt(w, 0, 0x4440 | k as u32));
-                acc[j % 2] = fma(t(a), x.x[4 * j + k], acc[j % 2]);
-                acc[2 + j % 2] = fma(t(b), x.x[16 + 4 * j + k], acc[2 + j % 2]);
-            }
+            acc[0] = dp4a(a, x.high(j), acc[0]);
+            acc[1] = dp4a(a, x.low(j), acc[1]);
+            acc[2] = dp4a(b, x.high(4 + j), acc[2]);
+            acc[3] = dp4a(b, x.low(4 + j), acc[3]);
         }
-        let t = ((acc[0] + acc[1]) + (acc[2] + acc[3])) * Q_SCALE;
+        let n = 256 * (acc[0] + acc[2]) + (acc[1] + acc[3]);
+        let [s0, s1] = x.digit_sums();
+        // `16·Σt·x - (ZERO - RADIUS)·Σx`, twice over so that 2·(ZERO - RADIUS) = 241 is whole.
+        const TWICE_OFF: i32 = (2.0 * (Q8_0::ZERO as f32 - RADIUS)) as i32;
+        let e = (32 * n - TWICE_OFF * (s0 + s1)) as f32 * (0.5 * x.unit());
         let d = f16_to_f32(ch.sc as u16);
-        let zero = Q8_0::ZERO as f32 - RADIUS;
-        (d * (16.0 * t - zero * (x.sum[0] + x.sum[1])), d.abs() * x_abs)
+        (d * e, d.abs() * x_abs)
     }
 }
+
+/// What [`Packed::bound`]'s `x_abs` adds per unit of the lane's digits: each element within a
+/// unit of its digits moves `Σ(16t + RADIUS - 128)·x` by at most 120.5 units, 32·120.5 in all,
+/// which `RADIUS` times this covers.
+pub const DIGIT_RADIUS: f32 = 515.0;
 
 /// `out[i]` = the high byte of the f16 `w[i]` (sign, exponent, top 2 mantissa bits), for `i <
 /// n`: the plane greedy decoding's first pass reads of an f16 vocabulary projection

@@ -172,8 +172,15 @@ pub fn warp_max(mut v: f32) -> f32 {
 
 /// Maximum of a `u32` over the 32 lanes of a warp; every lane gets the result.
 #[inline(always)]
-pub fn warp_max_u32(mut v: u32) -> u32 {
-    let mut m = 16;
+pub fn warp_max_u32(v: u32) -> u32 {
+    lanes_max_u32(v, 32)
+}
+
+/// Maximum of a `u32` over each group of `lanes` neighbouring lanes (a power of 2 up to 32);
+/// every lane of the group gets it.
+#[inline(always)]
+pub fn lanes_max_u32(mut v: u32, lanes: u32) -> u32 {
+    let mut m = lanes / 2;
     while m > 0 {
         v = v.max(unsafe { shfl_bfly_i32(FULL_MASK, v as i32, m, 0x1f) } as u32);
         m >>= 1;

@@ -10,12 +10,54 @@ pub mod model;
 pub fn rms_norm(out: &mut [f32], x: &[f32], w: &[f32], eps: f32) {
     let n = w.len();
     for (o, x) in out.chunks_exact_mut(n).zip(x.chunks_exact(n)) {
-        let ss: f32 = x.iter().map(|v| v * v).sum();
-        let scale = 1.0 / (ss / n as f32 + eps).sqrt();
+        let scale = rms_scale(x, eps);
         for ((o, x), w) in o.iter_mut().zip(x).zip(w) {
             *o = x * scale * w;
         }
     }
+}
+
+/// RMSNorm's scale of the row `x`: `1 / sqrt(mean(x^2) + eps)`.
+pub fn rms_scale(x: &[f32], eps: f32) -> f32 {
+    let ss: f32 = x.iter().map(|v| v * v).sum();
+    1.0 / (ss / x.len() as f32 + eps).sqrt()
+}
+
+/// Twin of the decode GEMVs' vector as two int8 digits an element (gpu-kernels'
+/// `quant::digits4`: FFN gate/up's `x ∘ norm`, FFN down's input, greedy's first pass): rounds
+/// each chunk of 32 of `x` in place to `unit·(256h + l)`, as the GPU multiplies it, and returns
+/// each chunk's `unit`. With `e` the biased exponent of the chunk's largest magnitude (at
+/// least 14), `t = x·2^(132 - e)`, `h` is `t` rounded to nearest (even), `l` is `256·(t - h)`
+/// so rounded and cut to 127, and `unit = 2^(e - 140)`: each element moves by at most `unit`,
+/// 2^-13 of the chunk's largest. A chunk with an infinity or NaN becomes NaN.
+pub fn digits(x: &mut [f32]) -> Vec<f32> {
+    // Adding 1.5·2^23 rounds to an integer (below 2^22 in magnitude), as the GPU does.
+    const ROUND: f32 = 12_582_912.0;
+    x.chunks_mut(32)
+        .map(|c| {
+            let top = c
+                .iter()
+                .map(|v| v.to_bits() & 0x7fff_ffff)
+                .max()
+                .unwrap_or(0);
+            let e = (top >> 23).max(14);
+            if e == 255 {
+                c.fill(f32::NAN);
+                return f32::NAN;
+            }
+            let (p2, unit) = (
+                f32::from_bits((259 - e) << 23),
+                f32::from_bits((e - 13) << 23),
+            );
+            for v in c {
+                let t = *v * p2;
+                let h = (t + ROUND) - ROUND;
+                let l = ((t - h) * 256.0 + ROUND).min(ROUND + 127.0) - ROUND;
+                *v = (256.0 * h + l) * unit;
+            }
+            unit
+        })
+        .collect()
 }
 
 /// Index of the largest value; the first index wins on ties and NaN never wins
@@ -31,26 +73,36 @@ pub fn argmax(x: &[f32]) -> u32 {
 }
 
 /// Twin of the greedy arg-max's first pass over a q8_0 matrix (`logit_bounds_q8_0`): for
-/// each row of `w` (the file's blocks, rows of `xn.len()`), `(e, r)` such that its logit
-/// `w[r]·xn` lies within `e ± r`: `e` takes the low nibble of each quant `q + 128` as 7.5, the
-/// middle of 0..=15, and `r = 7.5·Σ|d|·Σ|xn|` over the row's blocks. In f64.
-pub fn logit_bounds_q8_0(w: &[u8], xn: &[f32]) -> Vec<(f64, f64)> {
-    let row_bytes = xn.len() / 32 * 34;
+/// each row of `w` (the file's blocks, rows of `xg.len()`), `(e, r)` such that its logit
+/// `s·w[r]·xg` (`xg = x ∘ norm`, `s` the norm's scale) lies within `e ± r`. As the GPU, `e` takes
+/// `xg` as [`digits`] and the low nibble of each quant `q + 128` as 7.5, the middle of 0..=15;
+/// `r = 7.5·s·Σ|d|·(Σ|xg| + 515·unit)` over the row's blocks (515 units cover the digits: each
+/// element within a unit moves `Σ(16t - 120.5)·x` by at most 120.5 of them). In f64.
+pub fn logit_bounds_q8_0(w: &[u8], xg: &[f32], s: f32) -> Vec<(f64, f64)> {
+    let row_bytes = xg.len() / 32 * 34;
+    let mut xd = xg.to_vec();
+    let units = digits(&mut xd);
+    let s = f64::from(s);
     w.par_chunks(row_bytes)
         .map(|row| {
             let (mut e, mut m) = (0.0, 0.0);
-            for (b, x) in row.chunks(34).zip(xn.chunks(32)) {
+            for (((b, x), xd), unit) in row
+                .chunks(34)
+                .zip(xg.chunks(32))
+                .zip(xd.chunks(32))
+                .zip(&units)
+            {
                 let d = f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32());
-                let (mut s, mut a) = (0.0, 0.0);
-                for (q, x) in b[2..].iter().zip(x) {
+                let (mut t, mut a) = (0.0, 0.0);
+                for ((q, x), xd) in b[2..].iter().zip(x).zip(xd) {
                     let top = f64::from((q ^ 0x80) >> 4);
-                    s += (16.0 * top + 7.5 - 128.0) * f64::from(*x);
+                    t += (16.0 * top + 7.5 - 128.0) * f64::from(*xd);
                     a += f64::from(x.abs());
                 }
-                e += d * s;
-                m += d.abs() * a;
+                e += d * t;
+                m += d.abs() * (a + 515.0 * f64::from(*unit));
             }
-            (e, 7.5 * m)
+            (s * e, s * 7.5 * m)
         })
         .collect()
 }
@@ -236,8 +288,62 @@ fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
 mod tests {
     use super::*;
 
-    /// `logit_bounds_q8_0` holds each row's logit within `e ± r`, reached when every low 3 bits
-    /// are 0 (or 7) and `d·x` has one sign.
+    /// `digits` moves each element by at most its chunk's unit, `2^(e - 140)` for the exponent
+    /// `e` of the chunk's largest magnitude (at least 14), onto a whole number of units that
+    /// two int8 digits hold; whole numbers of units below 64·256 of them stay; a chunk with a
+    /// NaN or an infinity becomes NaN.
+    #[test]
+    fn digits_round_within_a_unit() {
+        let mut s = 11u64;
+        let mut next = move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        };
+        // Chunks of random values of one magnitude each, from subnormal to 2^127.
+        for scale in [-149, -130, -115, -20, 0, 3, 60, 120, 127] {
+            let mut x: Vec<f32> = (0..64)
+                .map(|_| (next() as f32 / u32::MAX as f32 - 0.5) * 2f32.powi(scale))
+                .collect();
+            let orig = x.clone();
+            let units = digits(&mut x);
+            for (c, unit) in units.iter().enumerate() {
+                let chunk = &orig[32 * c..32 * c + 32];
+                let top = chunk
+                    .iter()
+                    .map(|v| v.to_bits() & 0x7fff_ffff)
+                    .max()
+                    .unwrap();
+                let e = (top >> 23).max(14);
+                assert_eq!(*unit, f32::from_bits((e - 13) << 23), "unit at 2^{scale}");
+                for (v, d) in chunk.iter().zip(&x[32 * c..32 * c + 32]) {
+                    assert!((v - d).abs() <= *unit, "{v} -> {d}, unit {unit}");
+                    let n = d / unit;
+                    assert!(n == n.round() && n.abs() <= 16512.0, "{d} is {n} units");
+                }
+            }
+        }
+        // Whole numbers of units stay; the unit of a chunk whose largest is 1.5 is 2^-13.
+        let mut x: Vec<f32> = (0..32)
+            .map(|i| (i as f32 * 511.0 - 8000.0) / 8192.0)
+            .collect();
+        x[0] = 1.5;
+        let orig = x.clone();
+        assert_eq!(digits(&mut x), [2f32.powi(-13)]);
+        assert_eq!(x, orig);
+        // NaN and infinity.
+        for bad in [f32::NAN, f32::INFINITY] {
+            let mut x = vec![1.0f32; 64];
+            x[40] = bad;
+            let units = digits(&mut x);
+            assert!(units[1].is_nan() && x[32..].iter().all(|v| v.is_nan()));
+            assert!(x[..32].iter().all(|v| *v == 1.0));
+        }
+    }
+
+    /// `logit_bounds_q8_0` holds each row's logit within `e ± r`, reached (up to the digits'
+    /// share of `r`) when every low nibble is 0 and `d·x` has one sign.
     #[test]
     fn logit_bounds_hold_the_logits() {
         let (rows, n_in) = (64, 96);
@@ -269,14 +375,28 @@ mod tests {
                 .map(|(w, x)| f64::from(*w) * f64::from(*x))
                 .sum()
         };
-        for (r, (e, b)) in logit_bounds_q8_0(&w, &x).into_iter().enumerate() {
+        let x_abs: Vec<f64> = x
+            .chunks(32)
+            .map(|c| c.iter().map(|v| f64::from(v.abs())).sum())
+            .collect();
+        for (r, (e, b)) in logit_bounds_q8_0(&w, &x, 1.0).into_iter().enumerate() {
             let off = (exact(&dq[r * n_in..(r + 1) * n_in]) - e).abs();
             assert!(
                 off <= b * (1.0 + 1e-9),
                 "q8_0 row {r}: off by {off}, bound {b}"
             );
             if r == 0 {
-                assert!((off - b).abs() <= 1e-9 * b, "row 0 reaches the bound");
+                // The bound without the digits' share, which the digits move `e` within.
+                let row = &w[..n_in / 32 * 34];
+                let plain: f64 = row
+                    .chunks(34)
+                    .zip(&x_abs)
+                    .map(|(b, a)| 7.5 * f64::from(f16::from_le_bytes([b[0], b[1]]).to_f32()) * a)
+                    .sum();
+                assert!(
+                    (off - plain).abs() <= b - plain,
+                    "row 0 reaches the bound: off by {off}, {plain} without the digits, {b} with"
+                );
             }
         }
         // f16: the same weights, and f16 ones of every exponent, subnormals included.

@@ -137,6 +137,22 @@ fn rms_norm(x: &[f32], g: &[f32]) -> Vec<f32> {
     xn
 }
 
+/// The vector `v` as a GEMV that takes it in digits (FFN gate/up and down) multiplies `w` by:
+/// `cpu::digits` of it for the quantized types, `v` for the float ones.
+fn digits_for(w: &Mat, v: &[f32]) -> Vec<f32> {
+    let mut v = v.to_vec();
+    if w.data.ty().block_elems() > 1 {
+        cpu::digits(&mut v);
+    }
+    v
+}
+
+/// `x ∘ g`, the vector a GEMV behind an RMSNorm stages, and the norm's scale.
+fn norm_parts(x: &[f32], g: &[f32]) -> (Vec<f32>, f32) {
+    let xg = x.iter().zip(g).map(|(x, g)| x * g).collect();
+    (xg, cpu::rms_scale(x, EPS))
+}
+
 /// An attention block's input side: the norm and the (weights, bias) of q, k and v.
 struct Attn {
     norm: Vec<f32>,
@@ -224,7 +240,8 @@ fn check_attn_qkv(dev: &Device, a: &Attn, x: &[f32], pos: usize, what: &str) -> 
     err
 }
 
-/// `ffn_gate_up` for the token `x` against `cpu::silu_mul` of the two products.
+/// `ffn_gate_up` for the token `x` against `cpu::silu_mul` of the two products (of `x ∘ norm`
+/// in digits for quantized weights, `digits_for`).
 fn check_gate_up(dev: &Device, norm: &[f32], gate: &Mat, up: &Mat, x: &[f32]) -> f32 {
     let n_out = gate.n_out();
     let mut h = dev.zeros::<f32>(n_out).unwrap();
@@ -232,7 +249,9 @@ fn check_gate_up(dev: &Device, norm: &[f32], gate: &Mat, up: &Mat, x: &[f32]) ->
     dev.ffn_gate_up(&mut h, &xd, &nd, EPS, gate.weight(), up.weight())
         .unwrap();
     let got = dev.download(&h).unwrap();
-    let xn = rms_norm(x, norm);
+    // The norm's scale multiplies the products of `x ∘ norm` in digits.
+    let (xg, s) = norm_parts(x, norm);
+    let xn: Vec<f32> = digits_for(gate, &xg).iter().map(|v| v * s).collect();
     let ((g, mg), (u, mu)) = (gate.cpu(&xn, None), up.cpu(&xn, None));
     let mut want = g.clone();
     cpu::silu_mul(&mut want, &u);
@@ -248,11 +267,12 @@ fn check_gate_up(dev: &Device, norm: &[f32], gate: &Mat, up: &Mat, x: &[f32]) ->
     worst(&got, &want, &scale)
 }
 
-/// `gemv_residual` of `v` onto a random residual `x0` against `cpu::add` of the product.
+/// `gemv_residual` of `v` onto a random residual `x0` against `cpu::add` of the product (of `v`
+/// in digits for quantized weights, `digits_for`).
 fn check_residual(dev: &Device, rng: &mut Rng, w: &Mat, bias: Option<&[f32]>, v: &[f32]) -> f32 {
     let bd = bias.map(|b| dev.upload(b).unwrap());
     let vd = dev.upload(v).unwrap();
-    onto_residual(dev, rng, w, bias, v, |xd| {
+    onto_residual(dev, rng, w, bias, &digits_for(w, v), |xd| {
         dev.gemv_residual(xd, w.weight(), bd.as_ref(), &vd).unwrap()
     })
 }
@@ -394,13 +414,15 @@ fn check_bounded(
         );
     }
     let upper = b.upper_bounds(dev).unwrap();
-    let xn = rms_norm(x, norm);
     let twin = match w.data.ty() {
         GgmlType::F16 => {
             let h: Vec<f16> = w.w32.iter().map(|v| f16::from_f32(*v)).collect();
-            cpu::logit_bounds_f16(&h, &xn)
+            cpu::logit_bounds_f16(&h, &rms_norm(x, norm))
         }
-        _ => cpu::logit_bounds_q8_0(bytes, &xn),
+        _ => {
+            let (xg, s) = norm_parts(x, norm);
+            cpu::logit_bounds_q8_0(bytes, &xg, s)
+        }
     };
     // The kernels widen the radius by at most 1/32 (q8_0: 7.5 by 1/256; f16: 0.125 by 1/256);
     // their sums round at a few 2^-24 of what the radius is a share of.
@@ -528,6 +550,44 @@ fn ffn_gate_up_matches_cpu() {
             ty.name()
         );
         assert!(err < TOL, "ffn_gate_up {} {n_out}x{n_in}: {err}", ty.name());
+    }
+}
+
+/// FFN down's vector in digits, read back exactly: through a q8_0 identity (each row one quant
+/// 1 of scale 1), `gemv_residual` onto zeros gives `cpu::digits` of its input bit for bit,
+/// chunks of every magnitude from 2^-140 to 2^100.
+#[test]
+fn gemv_residual_takes_digits_as_the_twin() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(36);
+    let n = 1024;
+    let blocks = n / 32;
+    let mut bytes = vec![0u8; n * blocks * 34];
+    for (r, row) in bytes.chunks_mut(blocks * 34).enumerate() {
+        let b = &mut row[r / 32 * 34..][..34];
+        b[..2].copy_from_slice(&f16::from_f32(1.0).to_le_bytes());
+        b[2 + r % 32] = 1;
+    }
+    let w = Mat::new(&dev, GgmlType::Q8_0, &bytes, n, false);
+    let v: Vec<f32> = rng
+        .vec(n)
+        .iter()
+        .enumerate()
+        .map(|(i, v)| v * 2f32.powi((i / 32) as i32 * 8 - 140))
+        .collect();
+    let mut y = dev.zeros::<f32>(n).unwrap();
+    dev.gemv_residual(&mut y, w.weight(), None, &dev.upload(&v).unwrap())
+        .unwrap();
+    let got = dev.download(&y).unwrap();
+    let mut want = v.clone();
+    cpu::digits(&mut want);
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(
+            g.to_bits(),
+            w.to_bits(),
+            "element {i}: {g} vs {w} (of {})",
+            v[i]
+        );
     }
 }
 
