@@ -22,6 +22,9 @@
 //! block stages `x ∘ g` in shared memory (`matmul::stage`) and sums `x²` from the same loads,
 //! each lane takes its chunk ([`Held`]), and the scale `s = 1/sqrt(mean(x²) + eps)` multiplies
 //! the finished products. The first round's weight loads are issued before the norm's barrier.
+//! FFN gate/up and down stage their vector as two int8 digits an element for packed weights,
+//! and greedy's first pass turns each lane's chunk into them (`quant::digits4`), so that their
+//! dots run on `dp4a`.
 //!
 //! The weights are a matrix (packed, or plain floats) and its ggml type id; each block
 //! dispatches once on the id (`with_weights!`), so the loops are monomorphised per format. The
@@ -314,9 +317,9 @@ unsafe fn attn_output_family<const F: u32>(
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
 /// place on the residual stream. Units are pairs of rows. For packed weights, or with
 /// `STAGED`, each block stages `v` once in shared memory for all its units (so that few blocks
-/// of many units read few copies of it), as digits with `DIGITS` (`matmul::stage`). Grid: a block for every `blockDim / 32 / split`
-/// units, each one round (`gemv_units`' `ONE`); block: a multiple of `32·split` threads;
-/// shared: 2 f32 per warp, or staged as `matmul::stage` says.
+/// of many units read few copies of it), as digits with `DIGITS` (`matmul::stage`). Grid: a
+/// block for every `blockDim / 32 / split` units, each one round (`gemv_units`' `ONE`); block:
+/// a multiple of `32·split` threads; shared: 2 f32 per warp, or staged as `matmul::stage` says.
 #[allow(clippy::too_many_arguments)]
 #[inline(always)]
 unsafe fn residual<const F: u32, const STAGED: bool, const DIGITS: bool>(
