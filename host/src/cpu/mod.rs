@@ -288,19 +288,23 @@ fn rope_inv_freq(head_dim: usize, theta: f32) -> Vec<f32> {
 mod tests {
     use super::*;
 
+    /// A stream of pseudo-random u32 from `seed` (a 64-bit LCG's high bits).
+    fn lcg(mut s: u64) -> impl FnMut() -> u32 {
+        move || {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (s >> 33) as u32
+        }
+    }
+
     /// `digits` moves each element by at most its chunk's unit, `2^(e - 140)` for the exponent
     /// `e` of the chunk's largest magnitude (at least 14), onto a whole number of units that
     /// two int8 digits hold; whole numbers of units below 64·256 of them stay; a chunk with a
     /// NaN or an infinity becomes NaN.
     #[test]
     fn digits_round_within_a_unit() {
-        let mut s = 11u64;
-        let mut next = move || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 33) as u32
-        };
+        let mut next = lcg(11);
         // Chunks of random values of one magnitude each, from subnormal to 2^127.
         for scale in [-149, -130, -115, -20, 0, 3, 60, 120, 127] {
             let mut x: Vec<f32> = (0..64)
@@ -347,13 +351,7 @@ mod tests {
     #[test]
     fn logit_bounds_hold_the_logits() {
         let (rows, n_in) = (64, 96);
-        let mut s = 7u64;
-        let mut next = move || {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            (s >> 33) as u32
-        };
+        let mut next = lcg(7);
         let mut w: Vec<u8> = (0..rows * n_in / 32 * 34).map(|_| next() as u8).collect();
         for b in w.chunks_mut(34) {
             b[..2]
