@@ -10,7 +10,9 @@
 //! the format. The GEMV's body, [`gemv_units`], also serves the fused decode kernels.
 use core::arch::asm;
 
-use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, digit_scale, digit_sum, digits4};
+use crate::quant::{
+    Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, digit_scale, digit_sum, digits4, dp4a, top_bits,
+};
 use crate::util::{
     F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, fma, grid_dim,
     lanes_max_u32, ldmatrix4, mma, shared, shared_addr, split, store_shared2, store_shared4,
@@ -279,12 +281,28 @@ impl Held {
         [self.x[17].to_bits() as i32, self.x[18].to_bits() as i32]
     }
 
+    /// Digits: the `dp4a` sums of a chunk's bytes, `bytes(j)` those of elements `4j..4j + 4`
+    /// and `16 + 4j..16 + 4j + 4` (unsigned), with the digits: `[Σ·h, Σ·l]` of the first half,
+    /// then of the second.
+    #[inline(always)]
+    pub(crate) fn digit_dots(&self, bytes: impl Fn(usize) -> (u32, u32)) -> [i32; 4] {
+        let mut acc = [0i32; 4];
+        for j in 0..4 {
+            // Elements 4j..4j + 4 (`a`) and 16 + 4j.. (`b`): digit words j and 4 + j.
+            let (a, b) = bytes(j);
+            acc[0] = dp4a(a, self.high(j), acc[0]);
+            acc[1] = dp4a(a, self.low(j), acc[1]);
+            acc[2] = dp4a(b, self.high(4 + j), acc[2]);
+            acc[3] = dp4a(b, self.low(4 + j), acc[3]);
+        }
+        acc
+    }
+
     /// This lane's floats times `scale`, as digits (the scale from the 32 of them).
     #[inline(always)]
     pub(crate) fn digits(&self, scale: f32) -> Held {
         let v = self.x.map(|v| v * scale);
-        let top = v.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
-        let (p2, unit) = digit_scale(top);
+        let (p2, unit) = digit_scale(top_bits(&v));
         // Written out word by word: in a loop, LLVM keeps `x` in local memory.
         let word = |w: usize| digits4([v[4 * w], v[4 * w + 1], v[4 * w + 2], v[4 * w + 3]], p2);
         let ws = [
@@ -428,8 +446,7 @@ pub(crate) fn stage<W: Weights, const DIGITS: bool>(
             if DIGITS && W::DIGITS {
                 // The 8 neighbouring lanes of a chunk find its largest magnitude, each then
                 // its 4 elements' digits; the 4 of each half add their sums.
-                let top = v.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff));
-                let (p2, unit) = digit_scale(lanes_max_u32(top, 8));
+                let (p2, unit) = digit_scale(lanes_max_u32(top_bits(&v), 8));
                 let (h, l) = digits4(v, p2);
                 // Exact in f32: at most 16·16,512.
                 let sum = warp_sum4(digit_sum(h, l) as f32);

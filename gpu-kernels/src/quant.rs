@@ -71,8 +71,7 @@ pub(crate) fn dp4a(a: u32, b: u32, c: i32) -> i32 {
 /// `unit·(256h + l)` (`unit/2` unless `l` was cut), at most 2^-13 of the chunk's largest; an
 /// infinity or NaN in the chunk (`e` 255) makes `unit` NaN. Twin: `orcd::cpu::digits`.
 ///
-/// `(2^(132 - e), unit)` for the chunk whose largest magnitude has the bits `top` (sign clear;
-/// an integer maximum of the bits, so that NaN counts).
+/// `(2^(132 - e), unit)` for the chunk whose largest magnitude has the bits `top` ([`top_bits`]).
 #[inline(always)]
 pub(crate) fn digit_scale(top: u32) -> (f32, f32) {
     let e = (top >> 23).max(14);
@@ -82,6 +81,13 @@ pub(crate) fn digit_scale(top: u32) -> (f32, f32) {
         f32::from_bits((e - 13) << 23)
     };
     (f32::from_bits((259 - e) << 23), unit)
+}
+
+/// The bits of the largest magnitude of `v` (sign clear), [`digit_scale`]'s `top`: an integer
+/// maximum, so that a NaN counts.
+#[inline(always)]
+pub(crate) fn top_bits<const N: usize>(v: &[f32; N]) -> u32 {
+    v.iter().fold(0, |m, v| m.max(v.to_bits() & 0x7fff_ffff))
 }
 
 /// 1.5·2^23: adding it rounds a float under 2^22 in magnitude to an integer (nearest, even on
@@ -407,15 +413,9 @@ impl<P: Packing> Weights for Packed<P> {
     /// most 16·255·16,512 plus `z·Σ`), then times `unit` and the half's scale.
     #[inline(always)]
     fn dot_digits(ch: &Chunk, x: &Held) -> f32 {
-        let mut acc = [0i32; 4];
-        for j in 0..4 {
-            // Elements 4j..4j + 4 (`a`) and 16 + 4j.. (`b`): digit words j and 4 + j.
-            let (a, b) = Self::quant_bytes(ch.lo[j], ch.hi[j * P::BITS as usize / 4], j as u32);
-            acc[0] = dp4a(a, x.high(j), acc[0]);
-            acc[1] = dp4a(a, x.low(j), acc[1]);
-            acc[2] = dp4a(b, x.high(4 + j), acc[2]);
-            acc[3] = dp4a(b, x.low(4 + j), acc[3]);
-        }
+        let acc = x.digit_dots(|j| {
+            Self::quant_bytes(ch.lo[j], ch.hi[j * P::BITS as usize / 4], j as u32)
+        });
         let ([s0x, s1x], unit) = (x.digit_sums(), x.unit());
         let z = P::ZERO as i32;
         let half = |h: i32, l: i32, sum: i32| (256 * h + l - z * sum) as f32 * unit;
@@ -463,15 +463,8 @@ impl Packed<Q8_0> {
     /// (`32·Σt·(256h + l) - 241·Σ(256h + l)`: at most 32·15·32·16,512 plus 241·32·16,512).
     #[inline(always)]
     pub fn bound(ch: &TopChunk, x: &Held, x_abs: f32) -> (f32, f32) {
-        let mut acc = [0i32; 4];
-        for j in 0..4 {
-            // Byte `k` of `hi` word `j`: element `4j + k`'s nibble low, `16 + 4j + k`'s high.
-            let (a, b) = (ch.hi[j] & 0x0f0f_0f0f, ch.hi[j] >> 4 & 0x0f0f_0f0f);
-            acc[0] = dp4a(a, x.high(j), acc[0]);
-            acc[1] = dp4a(a, x.low(j), acc[1]);
-            acc[2] = dp4a(b, x.high(4 + j), acc[2]);
-            acc[3] = dp4a(b, x.low(4 + j), acc[3]);
-        }
+        // Byte `k` of `hi` word `j`: element `4j + k`'s nibble low, `16 + 4j + k`'s high.
+        let acc = x.digit_dots(|j| (ch.hi[j] & 0x0f0f_0f0f, ch.hi[j] >> 4 & 0x0f0f_0f0f));
         let n = 256 * (acc[0] + acc[2]) + (acc[1] + acc[3]);
         let [s0, s1] = x.digit_sums();
         // `16·Σt·x - (ZERO - RADIUS)·Σx`, twice over so that 2·(ZERO - RADIUS) = 241 is whole.
