@@ -23,17 +23,50 @@ pub fn gpu() -> Option<orcd::cuda::Device> {
     }
 }
 
-/// The reference outputs of Hugging Face transformers: `$ORCD_REFS`, else `../shared/refs/`.
-pub fn refs() -> serde_json::Value {
-    let path = std::env::var_os("ORCD_REFS")
+/// The folder of reference outputs: `$ORCD_REFS`, else the repository's `tests/refs/`.
+pub fn refs_dir() -> PathBuf {
+    std::env::var_os("ORCD_REFS")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/refs/qwen2.5-coder-0.5b-q4km.hf.json")
-        });
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
-    serde_json::from_str(&text).expect("refs are JSON")
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("refs"))
+}
+
+/// The reference outputs of Hugging Face transformers for the model under test
+/// (`model_path()`): the file of `refs_dir()` whose `model.bytes` is that file's size, so one
+/// folder serves several models. Loaded once per test process.
+pub fn refs() -> &'static serde_json::Value {
+    static R: OnceLock<serde_json::Value> = OnceLock::new();
+    R.get_or_init(|| {
+        let model = model_path();
+        let bytes = std::fs::metadata(&model)
+            .unwrap_or_else(|e| panic!("{}: {e}", model.display()))
+            .len();
+        refs_for(&refs_dir(), bytes).unwrap_or_else(|e| panic!("{e}"))
+    })
+}
+
+/// The references in `dir` for a model file of `bytes` bytes.
+pub fn refs_for(dir: &std::path::Path, bytes: u64) -> Result<serde_json::Value, String> {
+    let entries =
+        std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    let mut names = Vec::new();
+    for entry in entries {
+        let path = entry.map_err(|e| e.to_string())?.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| format!("reading {}: {e}", path.display()))?;
+        let refs: serde_json::Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{}: not JSON: {e}", path.display()))?;
+        if refs["model"]["bytes"].as_u64() == Some(bytes) {
+            return Ok(refs);
+        }
+        names.push(path.display().to_string());
+    }
+    Err(format!(
+        "no reference file in {} is for a model of {bytes} bytes (read: {names:?}); set ORCD_REFS to a folder that has one",
+        dir.display()
+    ))
 }
 
 /// A small deterministic generator for test inputs (xorshift64*), uniform in [-1, 1).

@@ -16,7 +16,8 @@ pub struct Args {
 
 /// The bundle must travel to the GPU machine in one go (64 MiB a call), with room to spare.
 const MAX_BYTES: u64 = 60_000_000;
-const REFS: &str = "qwen2.5-coder-0.5b-q4km.hf.json";
+/// The reference outputs, relative to the workspace root (every JSON file there is bundled).
+const REFS: &str = "tests/refs";
 
 pub fn main(args: Args) -> Result<()> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -60,9 +61,13 @@ pub fn main(args: Args) -> Result<()> {
         );
         copy_stripped(&test.path, &dest)?;
     }
-    let refs = root.join("../shared/refs").join(REFS);
-    fs::copy(&refs, out.join("refs").join(REFS))
-        .with_context(|| format!("copying {}", refs.display()))?;
+    for entry in fs::read_dir(root.join(REFS))? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "json") {
+            let dest = out.join("refs").join(path.file_name().unwrap_or_default());
+            fs::copy(&path, dest).with_context(|| format!("copying {}", path.display()))?;
+        }
+    }
     write_script(&out.join("run-gpu-tests.sh"), RUN_GPU_TESTS)?;
     write_script(&out.join("memcheck.sh"), MEMCHECK)?;
 
@@ -176,7 +181,7 @@ done
 [ -f "$model" ] || { echo "$model: no such file" >&2; exit 2; }
 export REQUIRE_GPU=1
 export ORCD_MODEL="$(cd "$(dirname "$model")" && pwd)/$(basename "$model")"
-export ORCD_REFS="$here/refs/qwen2.5-coder-0.5b-q4km.hf.json"
+export ORCD_REFS="${ORCD_REFS:-$here/refs}"
 wrapper=()
 if [ "$memcheck" = 1 ]; then
     sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
