@@ -2,6 +2,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod batch;
 pub mod cpu;
 pub mod cuda;
 pub mod engine;
