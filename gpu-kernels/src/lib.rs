@@ -21,6 +21,7 @@ pub mod decode;
 pub mod elementwise;
 pub mod matmul;
 pub mod norm;
+pub mod paged;
 pub mod quant;
 pub mod rope;
 pub mod sampling;

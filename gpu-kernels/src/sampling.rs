@@ -325,7 +325,7 @@ fn block_best(v: f32, i: u32) -> (f32, u32) {
 }
 
 /// `block_best` of `x[..n]`: (largest value, its first index), or index `u32::MAX` if all NaN.
-fn scan_best(x: *const f32, n: u32) -> (f32, u32) {
+pub(crate) fn scan_best(x: *const f32, n: u32) -> (f32, u32) {
     let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
     let mut i = thread();
     while i < n {

@@ -16,6 +16,7 @@ mod attention;
 pub mod decode;
 mod matmul;
 pub mod model;
+pub mod paged;
 mod sampling;
 
 pub use attention::AttentionSums;

@@ -5,4 +5,5 @@ mod attention;
 mod basic;
 mod decode;
 mod matmul;
+mod paged;
 mod sampling;

@@ -1,0 +1,281 @@
+//! The paged KV cache of batched steps: RoPE and the cache store for rows at their own
+//! positions, attention of each row over its sequence read through the sequence's block table,
+//! and the row gather and arg-max that end a batched step. CPU twins: `orcd::cpu::rope_neox`
+//! (per row) with the cache's f16 rounding, `orcd::cpu::attention` over a sequence gathered
+//! from its blocks, `orcd::cpu::argmax` per row.
+use core::arch::nvptx;
+
+use crate::sampling::scan_best;
+use crate::util::{WARP, block, block_dim, exp, shared, sync_threads, thread, warp_max, warp_sum};
+
+/// Query rows of one sequence that a block of `paged_attention` takes at once: they share
+/// every K/V tile it loads.
+pub const ITEM_ROWS: u32 = 8;
+/// Keys of a tile.
+const TILE: usize = 32;
+/// Warps of a `paged_attention` block.
+const WARPS: u32 = 8;
+
+/// Per row `r`: NeoX RoPE at position `positions[r]` on q's `n_heads` heads (in place) and on
+/// k's `n_kv` heads, then k (rotated) and v stored as f16 in row `slots[r]` of `k_cache,
+/// v_cache = [slots, n_kv * 2 * half]`. Angles from `table = [max_pos, half, 2]` (cos, sin), as
+/// `rope_neox`; a position outside it traps.
+/// Grid: one block per row; block: any multiple of 32 threads; no shared memory.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn rope_kv_paged(
+    q: *mut f32,
+    k: *const f32,
+    v: *const f32,
+    k_cache: *mut u16,
+    v_cache: *mut u16,
+    positions: *const u32,
+    slots: *const u32,
+    table: *const f32,
+    n_heads: u32,
+    n_kv: u32,
+    half: u32,
+    max_pos: u32,
+) {
+    let r = block() as usize;
+    let (p, slot) = unsafe { (*positions.add(r), *slots.add(r) as usize) };
+    if p >= max_pos {
+        unsafe { nvptx::trap() };
+    }
+    let (half_, hd) = (half as usize, 2 * half as usize);
+    let (q_dim, kv_dim) = (n_heads as usize * hd, n_kv as usize * hd);
+    let (q, k, v) = unsafe { (q.add(r * q_dim), k.add(r * kv_dim), v.add(r * kv_dim)) };
+    let (kc, vc) = unsafe { (k_cache.add(slot * kv_dim), v_cache.add(slot * kv_dim)) };
+    let mut idx = thread();
+    while idx < (n_heads + n_kv) * half {
+        let (head, i) = ((idx / half) as usize, (idx % half) as usize);
+        let (cos, sin) = unsafe {
+            let t = table.add(2 * (p as usize * half_ + i));
+            (*t, *t.add(1))
+        };
+        if head < n_heads as usize {
+            unsafe {
+                let a = q.add(head * hd + i);
+                let b = a.add(half_);
+                let (va, vb) = (*a, *b);
+                *a = va * cos - vb * sin;
+                *b = va * sin + vb * cos;
+            }
+        } else {
+            let at = (head - n_heads as usize) * hd + i;
+            unsafe {
+                let (va, vb) = (*k.add(at), *k.add(at + half_));
+                *kc.add(at) = ((va * cos - vb * sin) as f16).to_bits();
+                *kc.add(at + half_) = ((va * sin + vb * cos) as f16).to_bits();
+            }
+        }
+        idx += block_dim();
+    }
+    let mut i = thread() as usize;
+    while i < kv_dim {
+        unsafe { *vc.add(i) = (*v.add(i) as f16).to_bits() };
+        i += block_dim() as usize;
+    }
+}
+
+/// The shared memory of a `paged_attention` block, in f32, for head dim `hd` and `vectors`
+/// query vectors (rows × heads of the kv group): K `[TILE][hd + 1]`, V `[TILE][hd]`, the
+/// queries and their running outputs `[vectors][hd]` each, each vector's running max and sum,
+/// and each warp's `TILE` softmax weights. The host computes the same.
+pub const fn attention_shared_floats(hd: u32, vectors: u32) -> u32 {
+    TILE as u32 * (2 * hd + 1) + 2 * vectors * hd + 2 * vectors + WARPS * TILE as u32
+}
+
+/// Causal GQA attention over a paged KV cache, for a batch of query rows of many sequences.
+/// Work item `w` (grid x) is `items[4w..4w + 4] = (first row, rows, position of the first
+/// row, offset of the sequence's block table in tables)`: up to `ITEM_ROWS` consecutive rows
+/// of one sequence. Row `r` at position `p` attends over keys `0..=p` of its sequence, key `j`
+/// in cache row `tables[offset + j / block_tokens] * block_tokens + j % block_tokens` of
+/// `k_cache, v_cache = [slots, n_kv * hd]` (f16). Query head `h` of `q, out = [rows, n_heads
+/// * hd]` reads kv head `h / (n_heads / n_kv)` (grid y). Scores are scaled by `scale`.
+/// Grid: (items, n_kv); block: `WARPS` warps; shared: `attention_shared_floats(hd, ITEM_ROWS *
+/// group)` f32. `hd` <= 128, a multiple of 32.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn paged_attention(
+    out: *mut f32,
+    q: *const f32,
+    k_cache: *const u16,
+    v_cache: *const u16,
+    items: *const u32,
+    tables: *const u32,
+    n_heads: u32,
+    n_kv: u32,
+    hd: u32,
+    block_tokens: u32,
+    scale: f32,
+) {
+    let kvh = unsafe { nvptx::_block_idx_y() } as usize;
+    let item = unsafe { items.add(4 * block() as usize) };
+    let (row0, rows, pos0, table) = unsafe {
+        (
+            *item as usize,
+            *item.add(1) as usize,
+            *item.add(2) as usize,
+            tables.add(*item.add(3) as usize),
+        )
+    };
+    let group = (n_heads / n_kv) as usize;
+    let (hd, vectors) = (hd as usize, rows * group);
+    let (q_dim, kv_dim) = (n_heads as usize * hd, n_kv as usize * hd);
+    let (lane, warp) = ((thread() % WARP) as usize, (thread() / WARP) as usize);
+
+    let smem = shared::<f32>();
+    let ks = smem;
+    let vs = unsafe { ks.add(TILE * (hd + 1)) };
+    let qs = unsafe { vs.add(TILE * hd) };
+    let os = unsafe { qs.add(ITEM_ROWS as usize * group * hd) };
+    let ms = unsafe { os.add(ITEM_ROWS as usize * group * hd) };
+    let ls = unsafe { ms.add(ITEM_ROWS as usize * group) };
+    let ps = unsafe { ls.add(ITEM_ROWS as usize * group).add(warp * TILE) };
+
+    // Vector `v` is row `v / group`, head `kvh * group + v % group`.
+    let q_at = |v: usize| (row0 + v / group) * q_dim + (kvh * group + v % group) * hd;
+    let mut i = thread() as usize;
+    while i < vectors * hd {
+        let (v, d) = (i / hd, i % hd);
+        unsafe {
+            *qs.add(i) = *q.add(q_at(v) + d);
+            *os.add(i) = 0.0;
+        }
+        i += block_dim() as usize;
+    }
+    let mut v = thread() as usize;
+    while v < vectors {
+        unsafe {
+            *ms.add(v) = f32::NEG_INFINITY;
+            *ls.add(v) = 0.0;
+        }
+        v += block_dim() as usize;
+    }
+
+    let keys = pos0 + rows;
+    let bt = block_tokens as usize;
+    let mut t0 = 0;
+    while t0 < keys {
+        // Everyone is done with the last tile (and the set-up above) before it is replaced.
+        sync_threads();
+        let mut i = thread() as usize;
+        while i < TILE * hd / 2 {
+            let (key, d) = (i / (hd / 2), 2 * (i % (hd / 2)));
+            let j = t0 + key;
+            let (kv, vv) = if j < keys {
+                let slot = unsafe { *table.add(j / bt) } as usize * bt + j % bt;
+                let at = slot * kv_dim + kvh * hd + d;
+                unsafe {
+                    (
+                        *(k_cache.add(at) as *const u32),
+                        *(v_cache.add(at) as *const u32),
+                    )
+                }
+            } else {
+                (0, 0)
+            };
+            unsafe {
+                *ks.add(key * (hd + 1) + d) = half_lo(kv);
+                *ks.add(key * (hd + 1) + d + 1) = half_hi(kv);
+                *vs.add(key * hd + d) = half_lo(vv);
+                *vs.add(key * hd + d + 1) = half_hi(vv);
+            }
+            i += block_dim() as usize;
+        }
+        sync_threads();
+
+        let mut v = warp;
+        while v < vectors {
+            let p = pos0 + v / group;
+            let j = t0 + lane;
+            let s = if j <= p {
+                let (qv, kv) = unsafe { (qs.add(v * hd), ks.add(lane * (hd + 1))) };
+                let mut dot = 0.0f32;
+                for d in 0..hd {
+                    dot += unsafe { *qv.add(d) * *kv.add(d) };
+                }
+                dot * scale
+            } else {
+                f32::NEG_INFINITY
+            };
+            let tile_max = warp_max(s);
+            // A row before this tile's first key sees none of it.
+            if tile_max != f32::NEG_INFINITY {
+                let m_old = unsafe { *ms.add(v) };
+                let m = m_old.max(tile_max);
+                let w = exp(s - m);
+                let corr = exp(m_old - m);
+                let sum = warp_sum(w);
+                unsafe { *ps.add(lane) = w };
+                sync_warp();
+                let o = unsafe { os.add(v * hd) };
+                let mut d = lane;
+                while d < hd {
+                    let mut acc = unsafe { *o.add(d) } * corr;
+                    for key in 0..TILE {
+                        acc += unsafe { *ps.add(key) * *vs.add(key * hd + d) };
+                    }
+                    unsafe { *o.add(d) = acc };
+                    d += WARP as usize;
+                }
+                sync_warp();
+                if lane == 0 {
+                    unsafe {
+                        *ms.add(v) = m;
+                        *ls.add(v) = *ls.add(v) * corr + sum;
+                    }
+                }
+                sync_warp();
+            }
+            v += WARPS as usize;
+        }
+        t0 += TILE;
+    }
+    sync_threads();
+    let mut i = thread() as usize;
+    while i < vectors * hd {
+        let (v, d) = (i / hd, i % hd);
+        unsafe { *out.add(q_at(v) + d) = *os.add(i) / *ls.add(v) };
+        i += block_dim() as usize;
+    }
+}
+
+/// `out[r] = x[rows[r]]` for rows of `n` floats. Grid: one block per output row.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn gather_rows(
+    out: *mut f32,
+    x: *const f32,
+    rows: *const u32,
+    n: u32,
+) {
+    let r = block() as usize;
+    let (out, x) = unsafe { (out.add(r * n as usize), x.add(*rows.add(r) as usize * n as usize)) };
+    let mut i = thread() as usize;
+    while i < n as usize {
+        unsafe { *out.add(i) = *x.add(i) };
+        i += block_dim() as usize;
+    }
+}
+
+/// `out[r] = argmax(x[r])` for rows of `n` logits, as `argmax` for each. Grid: one block per
+/// row; block as `argmax`'s; shared: 32 f32 + 32 u32.
+#[unsafe(no_mangle)]
+pub unsafe extern "gpu-kernel" fn argmax_rows(out: *mut u32, x: *const f32, n: u32) {
+    let r = block() as usize;
+    let (_, i) = scan_best(unsafe { x.add(r * n as usize) }, n);
+    if thread() == 0 {
+        unsafe { *out.add(r) = i };
+    }
+}
+
+fn half_lo(bits: u32) -> f32 {
+    f16::from_bits(bits as u16) as f32
+}
+
+fn half_hi(bits: u32) -> f32 {
+    f16::from_bits((bits >> 16) as u16) as f32
+}
+
+fn sync_warp() {
+    unsafe { core::arch::asm!("bar.warp.sync -1;", options(nostack)) };
+}

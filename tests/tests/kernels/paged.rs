@@ -1,0 +1,220 @@
+//! The paged family against its CPU twins: rope_kv_paged (RoPE per row, the cache store in
+//! f16), paged_attention over block tables mixing decode rows and prefill chunks (against
+//! `cpu::attention` over each sequence gathered from its blocks), gather_rows and argmax_rows.
+use half::f16;
+use orcd::cpu;
+use orcd::cuda::paged::AttentionItem;
+use orcd_tests::{Rng, gpu};
+
+const THETA: f32 = 1e6;
+
+/// Uniform in [-scale, scale).
+fn rand(rng: &mut Rng, n: usize, scale: f32) -> Vec<f32> {
+    rng.vec(n).into_iter().map(|v| v * scale).collect()
+}
+
+fn to_f16(x: &[f32]) -> Vec<u16> {
+    x.iter().map(|&v| f16::from_f32(v).to_bits()).collect()
+}
+
+fn from_f16(x: &[u16]) -> Vec<f32> {
+    x.iter().map(|&v| f16::from_bits(v).to_f32()).collect()
+}
+
+/// max |got - want| / (1 + |want|).
+fn max_err(got: &[f32], want: &[f32]) -> f32 {
+    assert_eq!(got.len(), want.len());
+    got.iter()
+        .zip(want)
+        .map(|(g, w)| (g - w).abs() / (1.0 + w.abs()))
+        .fold(
+            0.0,
+            |a: f32, e| if e.is_nan() { f32::NAN } else { a.max(e) },
+        )
+}
+
+#[test]
+fn rope_kv_paged_matches_cpu_rows() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(41);
+    for (n_heads, n_kv, hd) in [(14, 2, 64), (12, 2, 128), (40, 8, 128)] {
+        let (q_dim, kv_dim, rows, slots) = (n_heads * hd, n_kv * hd, 5, 64);
+        let positions = [0u32, 7, 4000, 3, 1];
+        let slot_of = [9u32, 0, 63, 17, 40];
+        let (q, k, v) = (
+            rand(&mut rng, rows * q_dim, 3.5),
+            rand(&mut rng, rows * kv_dim, 3.5),
+            rand(&mut rng, rows * kv_dim, 3.5),
+        );
+        let table = dev.rope_table(4096, hd, THETA).unwrap();
+        let mut qd = dev.upload(&q).unwrap();
+        let mut kv = dev.paged_kv(slots, kv_dim).unwrap();
+        dev.rope_kv_paged(
+            &mut qd,
+            &dev.upload(&k).unwrap(),
+            &dev.upload(&v).unwrap(),
+            &mut kv,
+            &dev.upload(&positions).unwrap(),
+            &dev.upload(&slot_of).unwrap(),
+            &table,
+            rows,
+            n_heads,
+            n_kv,
+            hd,
+        )
+        .unwrap();
+        let (got_q, got_k, got_v) = (
+            dev.download(&qd).unwrap(),
+            dev.download(&kv.k).unwrap(),
+            dev.download(&kv.v).unwrap(),
+        );
+        for r in 0..rows {
+            let p = positions[r] as usize;
+            let mut want_q = q[r * q_dim..][..q_dim].to_vec();
+            cpu::rope_neox(&mut want_q, q_dim, p, hd, THETA);
+            let mut want_k = k[r * kv_dim..][..kv_dim].to_vec();
+            cpu::rope_neox(&mut want_k, kv_dim, p, hd, THETA);
+            let s = slot_of[r] as usize * kv_dim;
+            // Same table, same products (no FMA contraction, as rope_neox's test checks), then
+            // the store's f16 rounding to nearest even on both sides.
+            assert!(
+                max_err(&got_q[r * q_dim..][..q_dim], &want_q) <= 1e-6,
+                "q row {r}"
+            );
+            assert_eq!(&got_k[s..s + kv_dim], &to_f16(&want_k)[..], "k row {r}");
+            assert_eq!(
+                &got_v[s..s + kv_dim],
+                &to_f16(&v[r * kv_dim..][..kv_dim])[..],
+                "v {r}"
+            );
+        }
+        // Rows no write touched stay zero.
+        assert!(got_k[kv_dim..9 * kv_dim].iter().all(|&b| b == 0));
+    }
+}
+
+/// A sequence of a batched step: its keys so far (this step's included), its block table, and
+/// the rows it runs this step (the last `rows` positions).
+struct Seq {
+    len: usize,
+    rows: usize,
+    blocks: Vec<u32>,
+}
+
+#[test]
+fn paged_attention_matches_cpu_over_gathered_sequences() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(42);
+    for (n_heads, n_kv, hd, bt) in [(14, 2, 64, 16), (12, 2, 128, 32), (16, 2, 128, 16)] {
+        let (q_dim, kv_dim) = (n_heads * hd, n_kv * hd);
+        // Decode rows at short and long contexts, a prefill chunk from 0, a chunk after an
+        // earlier one, a chunk of one row, and a chunk longer than an item.
+        let shapes: [(usize, usize); 7] = [
+            (1, 1),
+            (300, 1),
+            (37, 37),
+            (100, 60),
+            (5, 1),
+            (1000, 1),
+            (20, 20),
+        ];
+        let n_blocks: usize = shapes
+            .iter()
+            .map(|&(len, _)| len.div_ceil(bt))
+            .sum::<usize>()
+            + 3;
+        // Blocks handed out in a scrambled order, so tables are not contiguous.
+        let mut free: Vec<u32> = (0..n_blocks as u32).collect();
+        for i in (1..free.len()).rev() {
+            let j = (rng.next_f32().abs() * (i + 1) as f32) as usize % (i + 1);
+            free.swap(i, j);
+        }
+        let seqs: Vec<Seq> = shapes
+            .iter()
+            .map(|&(len, rows)| Seq {
+                len,
+                rows,
+                blocks: (0..len.div_ceil(bt)).map(|_| free.pop().unwrap()).collect(),
+            })
+            .collect();
+        let slots = n_blocks * bt;
+        let k_pool = to_f16(&rand(&mut rng, slots * kv_dim, 2.0));
+        let v_pool = to_f16(&rand(&mut rng, slots * kv_dim, 2.0));
+        let rows: usize = seqs.iter().map(|s| s.rows).sum();
+        let q = rand(&mut rng, rows * q_dim, 1.5);
+
+        let (mut items, mut tables, mut want, mut row) = (vec![], vec![], vec![], 0);
+        for s in &seqs {
+            let first = s.len - s.rows;
+            items.extend(AttentionItem::split(row, s.rows, first, tables.len()));
+            tables.extend(&s.blocks);
+            let gather = |pool: &[u16]| -> Vec<f32> {
+                (0..s.len)
+                    .flat_map(|j| {
+                        let slot = s.blocks[j / bt] as usize * bt + j % bt;
+                        from_f16(&pool[slot * kv_dim..][..kv_dim])
+                    })
+                    .collect()
+            };
+            let mut out = vec![0.0; s.rows * q_dim];
+            let (kc, vc) = (gather(&k_pool), gather(&v_pool));
+            let qs = &q[row * q_dim..][..s.rows * q_dim];
+            cpu::attention(&mut out, qs, &kc, &vc, first, n_heads, n_kv, hd);
+            want.extend(out);
+            row += s.rows;
+        }
+        let kv = orcd::cuda::paged::PagedKv {
+            k: dev.upload(&k_pool).unwrap(),
+            v: dev.upload(&v_pool).unwrap(),
+        };
+        let mut out = dev.zeros::<f32>(rows * q_dim).unwrap();
+        let flat = AttentionItem::flatten(&items);
+        dev.paged_attention(
+            &mut out,
+            &dev.upload(&q).unwrap(),
+            &kv,
+            &dev.upload(&flat).unwrap(),
+            items.len(),
+            &dev.upload(&tables).unwrap(),
+            n_heads,
+            n_kv,
+            hd,
+            bt,
+        )
+        .unwrap();
+        let got = dev.download(&out).unwrap();
+        let err = max_err(&got, &want);
+        println!("paged_attention heads {n_heads}/{n_kv} hd {hd} block {bt}: err {err:.2e}");
+        // As the contiguous kernels' tolerance (attention.rs's TOL): the order of the dot
+        // products and softmax sums, and ex2.approx.
+        assert!(err <= 2e-5, "heads {n_heads}/{n_kv} hd {hd}: {err}");
+    }
+}
+
+#[test]
+fn gather_and_argmax_rows_match_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(43);
+    let (n, rows) = (151_936, 6);
+    let mut x = rand(&mut rng, rows * n, 10.0);
+    // A tie (the first index wins) and a NaN that must not win.
+    x[3 * n + 10] = 20.0;
+    x[3 * n + 99] = 20.0;
+    x[4 * n + 5] = f32::NAN;
+    let pick = [5u32, 3, 0, 4];
+    let xd = dev.upload(&x).unwrap();
+    let mut g = dev.zeros::<f32>(pick.len() * n).unwrap();
+    dev.gather_rows(&mut g, &xd, &dev.upload(&pick).unwrap(), pick.len(), n)
+        .unwrap();
+    let mut best = dev.zeros::<u32>(pick.len()).unwrap();
+    dev.argmax_rows(&mut best, &g, pick.len(), n).unwrap();
+    let got = dev.download(&best).unwrap();
+    let gathered = dev.download(&g).unwrap();
+    for (i, &r) in pick.iter().enumerate() {
+        let row = &x[r as usize * n..][..n];
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&gathered[i * n..][..n]), bits(row), "row {r}");
+        assert_eq!(got[i], cpu::argmax(row), "row {r}");
+    }
+    assert_eq!(got[1], 10, "the tie goes to the first index");
+}
