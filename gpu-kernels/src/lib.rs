@@ -24,6 +24,7 @@ pub mod norm;
 pub mod paged;
 pub mod quant;
 pub mod rope;
+pub mod sample_rows;
 pub mod sampling;
 
 mod util;

@@ -301,7 +301,7 @@ fn walk(p: &impl Fn(u32) -> f32, len: u32, mass: f32) -> u32 {
 
 /// The best (value, index) of the block, by `better`; every thread gets it. Needs 32 f32 +
 /// 32 u32 of shared memory at word 0.
-fn block_best(v: f32, i: u32) -> (f32, u32) {
+pub(crate) fn block_best(v: f32, i: u32) -> (f32, u32) {
     let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
     let (v, i) = warp_argmax(v, i);
     let sv = shared::<f32>();
@@ -374,7 +374,7 @@ fn repeat_penalty(x: *mut f32, lo: u32, len: u32, recent: *const u32, window: u3
 /// A u32 that orders the logits as `better` does: NaN gives 0 (never a candidate), the rest
 /// 1 and up, -inf lowest (the CPU's greedy arg-max takes it when nothing beats it; sampling
 /// gives it weight 0 in `choose`, or no token when nothing beats it), with -0 equal to +0.
-fn key(v: f32) -> u32 {
+pub(crate) fn key(v: f32) -> u32 {
     if v.is_nan() {
         return 0;
     }
@@ -614,7 +614,7 @@ fn exp(x: f32) -> f32 {
 
 /// `orcd::sampling::uniform`, bit for bit: SplitMix64 output number `step` of `seed`, top 24
 /// bits as a float in [0, 1).
-fn uniform(seed: u64, step: u64) -> f32 {
+pub(crate) fn uniform(seed: u64, step: u64) -> f32 {
     let mut z = seed.wrapping_add(step.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);

@@ -17,6 +17,7 @@ pub mod decode;
 mod matmul;
 pub mod model;
 pub mod paged;
+pub mod sample_rows;
 mod sampling;
 
 pub use attention::AttentionSums;

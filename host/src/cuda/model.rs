@@ -16,6 +16,7 @@ use cudarc::driver::{
     PinnedHostSlice,
 };
 
+use super::paged::PagedKv;
 use super::{AttentionSums, BoundedArgmax, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
@@ -25,7 +26,7 @@ use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
 /// Most tokens one prefill step runs; longer prompts go in chunks of this many.
-const MAX_BATCH: usize = 512;
+pub(crate) const MAX_BATCH: usize = 512;
 /// Decode steps per launch of the CUDA graph: a launch boundary (the graph's end, the copy of
 /// the tokens to the host, the next graph's start) costs several kernel boundaries.
 const GRAPH_STEPS: usize = 8;
@@ -636,35 +637,8 @@ impl CudaModel {
         )?;
 
         for w in &mut self.layers {
-            // Attention block.
-            dev.rms_norm(
-                &mut view_mut(&mut b.xb, n * hidden),
-                &view(&b.x, n * hidden),
-                &w.attn_norm,
-                c.rms_eps,
-            )?;
-            let xb = view(&b.xb, n * hidden);
-            dev.matmul(
-                &mut view_mut(&mut b.q, n * hidden),
-                &xb,
-                &w.wq,
-                Some(&w.bq),
-                n,
-            )?;
-            dev.matmul(
-                &mut view_mut(&mut b.k, n * kv_dim),
-                &xb,
-                &w.wk,
-                Some(&w.bk),
-                n,
-            )?;
-            dev.matmul(
-                &mut view_mut(&mut b.v, n * kv_dim),
-                &xb,
-                &w.wv,
-                Some(&w.bv),
-                n,
-            )?;
+            // Attention block: q/k/v, RoPE at pos.., the cache append, causal attention.
+            qkv(dev, c, w, b, n)?;
             dev.rope_neox(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.pos,
@@ -698,49 +672,8 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            dev.matmul(
-                &mut view_mut(&mut b.xb, n * hidden),
-                &view(&b.att, n * hidden),
-                &w.wo,
-                None,
-                n,
-            )?;
-            dev.add(
-                &mut view_mut(&mut b.x, n * hidden),
-                &view(&b.xb, n * hidden),
-            )?;
-
-            // Feed-forward block (SwiGLU).
-            dev.rms_norm(
-                &mut view_mut(&mut b.xb, n * hidden),
-                &view(&b.x, n * hidden),
-                &w.ffn_norm,
-                c.rms_eps,
-            )?;
-            let xb = view(&b.xb, n * hidden);
-            dev.matmul(
-                &mut view_mut(&mut b.gate, n * c.ffn),
-                &xb,
-                &w.w_gate,
-                None,
-                n,
-            )?;
-            dev.matmul(&mut view_mut(&mut b.up, n * c.ffn), &xb, &w.w_up, None, n)?;
-            dev.silu_mul(
-                &mut view_mut(&mut b.gate, n * c.ffn),
-                &view(&b.up, n * c.ffn),
-            )?;
-            dev.matmul(
-                &mut view_mut(&mut b.xb, n * hidden),
-                &view(&b.gate, n * c.ffn),
-                &w.w_down,
-                None,
-                n,
-            )?;
-            dev.add(
-                &mut view_mut(&mut b.x, n * hidden),
-                &view(&b.xb, n * hidden),
-            )?;
+            attn_output(dev, w, b, n, hidden)?;
+            ffn(dev, c, w, b, n)?;
         }
 
         // Final norm and output projection, for the rows asked for.
@@ -762,6 +695,204 @@ impl CudaModel {
         self.pos += n;
         Ok(out_rows)
     }
+}
+
+impl CudaModel {
+    /// One batched forward step over the `n` rows of `step` (at most `MAX_BATCH`), every row
+    /// at its own position in its own sequence, the KV cache paged (`kv`: one per layer):
+    /// leaves the final hidden state of each row in `buf.x`, the twin of
+    /// `cpu::model::CpuModel::forward` for each sequence.
+    pub(crate) fn forward_rows(
+        &mut self,
+        kv: &mut [PagedKv],
+        step: &StepInputs,
+        n: usize,
+    ) -> Result<()> {
+        let c = &self.cfg;
+        let hidden = c.hidden;
+        if n == 0 || n > MAX_BATCH {
+            return Err(Error::Invalid(format!(
+                "a batched step takes 1 to {MAX_BATCH} rows, not {n}"
+            )));
+        }
+        let (dev, b) = (&self.dev, &mut self.buf);
+        dev.embed(
+            &mut view_mut(&mut b.x, n * hidden),
+            &self.token_embd,
+            &step.ids,
+            n,
+        )?;
+        for (w, kv) in self.layers.iter_mut().zip(kv) {
+            // Attention block: q/k/v, RoPE at each row's position and the store into its cache
+            // slot, attention over each sequence's blocks.
+            qkv(dev, c, w, b, n)?;
+            dev.rope_kv_paged(
+                &mut view_mut(&mut b.q, n * hidden),
+                &b.k,
+                &b.v,
+                kv,
+                &step.positions,
+                &step.slots,
+                &self.rope,
+                n,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+            )?;
+            dev.paged_attention(
+                &mut view_mut(&mut b.att, n * hidden),
+                &view(&b.q, n * hidden),
+                kv,
+                &step.items,
+                step.n_items,
+                &step.tables,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+                step.block_tokens,
+            )?;
+            attn_output(dev, w, b, n, hidden)?;
+            ffn(dev, c, w, b, n)?;
+        }
+        Ok(())
+    }
+
+    /// The logits `[rows.len(), vocab]` (at the start of `buf.logits`) of the rows `rows` of the
+    /// last `forward_rows`: the final norm and the output projection of those rows alone.
+    pub(crate) fn logits_of_rows(&mut self, rows: &CudaSlice<u32>, n: usize) -> Result<()> {
+        let c = &self.cfg;
+        let (dev, b) = (&self.dev, &mut self.buf);
+        dev.gather_rows(&mut b.att, &b.x, rows, n, c.hidden)?;
+        dev.rms_norm(
+            &mut view_mut(&mut b.xb, n * c.hidden),
+            &view(&b.att, n * c.hidden),
+            &self.output_norm,
+            c.rms_eps,
+        )?;
+        dev.matmul(
+            &mut view_mut(&mut b.logits, n * c.vocab),
+            &view(&b.xb, n * c.hidden),
+            &self.output,
+            None,
+            n,
+        )
+    }
+
+    /// The logits buffer `[MAX_BATCH, vocab]`: where `logits_of_rows` leaves its rows.
+    pub(crate) fn logits(&self) -> &CudaSlice<f32> {
+        &self.buf.logits
+    }
+
+    /// The device buffers of the rows of one batched step, for up to `MAX_BATCH` rows and
+    /// `tables` block-table entries.
+    pub(crate) fn step_inputs(&self, tables: usize, block_tokens: usize) -> Result<StepInputs> {
+        let dev = &self.dev;
+        Ok(StepInputs {
+            ids: dev.zeros(MAX_BATCH)?,
+            positions: dev.zeros(MAX_BATCH)?,
+            slots: dev.zeros(MAX_BATCH)?,
+            items: dev.zeros(4 * 2 * MAX_BATCH)?,
+            n_items: 0,
+            tables: dev.zeros(tables.max(1))?,
+            block_tokens,
+        })
+    }
+}
+
+/// What a batched step's kernels read about its rows, on the device: each row's token, position
+/// and cache slot, the attention's work items, and the sequences' block tables.
+pub(crate) struct StepInputs {
+    pub ids: CudaSlice<u32>,
+    pub positions: CudaSlice<u32>,
+    pub slots: CudaSlice<u32>,
+    pub items: CudaSlice<u32>,
+    pub n_items: usize,
+    pub tables: CudaSlice<u32>,
+    pub block_tokens: usize,
+}
+
+/// The attention block's start for rows `..n` of `b.x`: RMSNorm, then q, k and v with their
+/// biases.
+fn qkv(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result<()> {
+    let (hidden, kv_dim) = (c.hidden, c.kv_dim());
+    dev.rms_norm(
+        &mut view_mut(&mut b.xb, n * hidden),
+        &view(&b.x, n * hidden),
+        &w.attn_norm,
+        c.rms_eps,
+    )?;
+    let xb = view(&b.xb, n * hidden);
+    dev.matmul(
+        &mut view_mut(&mut b.q, n * hidden),
+        &xb,
+        &w.wq,
+        Some(&w.bq),
+        n,
+    )?;
+    dev.matmul(
+        &mut view_mut(&mut b.k, n * kv_dim),
+        &xb,
+        &w.wk,
+        Some(&w.bk),
+        n,
+    )?;
+    dev.matmul(
+        &mut view_mut(&mut b.v, n * kv_dim),
+        &xb,
+        &w.wv,
+        Some(&w.bv),
+        n,
+    )
+}
+
+/// The attention block's end: the output projection of `b.att`, added to the residual.
+fn attn_output(dev: &Device, w: &Layer, b: &mut Buffers, n: usize, hidden: usize) -> Result<()> {
+    dev.matmul(
+        &mut view_mut(&mut b.xb, n * hidden),
+        &view(&b.att, n * hidden),
+        &w.wo,
+        None,
+        n,
+    )?;
+    dev.add(
+        &mut view_mut(&mut b.x, n * hidden),
+        &view(&b.xb, n * hidden),
+    )
+}
+
+/// The feed-forward block (SwiGLU) on rows `..n` of the residual `b.x`.
+fn ffn(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result<()> {
+    let hidden = c.hidden;
+    dev.rms_norm(
+        &mut view_mut(&mut b.xb, n * hidden),
+        &view(&b.x, n * hidden),
+        &w.ffn_norm,
+        c.rms_eps,
+    )?;
+    let xb = view(&b.xb, n * hidden);
+    dev.matmul(
+        &mut view_mut(&mut b.gate, n * c.ffn),
+        &xb,
+        &w.w_gate,
+        None,
+        n,
+    )?;
+    dev.matmul(&mut view_mut(&mut b.up, n * c.ffn), &xb, &w.w_up, None, n)?;
+    dev.silu_mul(
+        &mut view_mut(&mut b.gate, n * c.ffn),
+        &view(&b.up, n * c.ffn),
+    )?;
+    dev.matmul(
+        &mut view_mut(&mut b.xb, n * hidden),
+        &view(&b.gate, n * c.ffn),
+        &w.w_down,
+        None,
+        n,
+    )?;
+    dev.add(
+        &mut view_mut(&mut b.x, n * hidden),
+        &view(&b.xb, n * hidden),
+    )
 }
 
 /// The first `len` elements of a buffer.

@@ -6,4 +6,5 @@ mod basic;
 mod decode;
 mod matmul;
 mod paged;
+mod sample_rows;
 mod sampling;

@@ -42,7 +42,7 @@ fn gpu_sample(
 
 /// Logits like a model's: most in [-6, 6), a few peaks up to 16, so that top-p and min-p cut
 /// inside the top k.
-fn model_like(rng: &mut Rng, n: usize) -> Vec<f32> {
+pub(super) fn model_like(rng: &mut Rng, n: usize) -> Vec<f32> {
     let mut x: Vec<f32> = rng.vec(n).iter().map(|v| 6.0 * v).collect();
     for j in 0..8.min(n) {
         let i = ((rng.next_f32() + 1.0) / 2.0 * n as f32) as usize % n;
@@ -52,7 +52,7 @@ fn model_like(rng: &mut Rng, n: usize) -> Vec<f32> {
 }
 
 /// Ids sorted best first: higher logit, then lower id; NaN and -inf left out.
-fn ranking(logits: &[f32]) -> Vec<u32> {
+pub(super) fn ranking(logits: &[f32]) -> Vec<u32> {
     let mut ids: Vec<u32> = (0..logits.len() as u32)
         .filter(|&i| logits[i as usize] > f32::NEG_INFINITY)
         .collect();
@@ -66,7 +66,7 @@ fn ranking(logits: &[f32]) -> Vec<u32> {
 
 /// Recent tokens: the 6 best ids of `logits` (each twice, so the penalty changes the top k),
 /// random ids, and one outside the vocabulary (ignored).
-fn recent_for(rng: &mut Rng, logits: &[f32]) -> Vec<u32> {
+pub(super) fn recent_for(rng: &mut Rng, logits: &[f32]) -> Vec<u32> {
     let n = logits.len();
     let best: Vec<u32> = ranking(logits).into_iter().take(6).collect();
     let mut r: Vec<u32> = (0..40)
@@ -80,7 +80,7 @@ fn recent_for(rng: &mut Rng, logits: &[f32]) -> Vec<u32> {
 
 /// Whether the CPU's steps pick `token` from the penalised `logits` when the draw, top-p or
 /// min-p move by up to `NEAR`: then a GPU/CPU difference is rounding at a boundary.
-fn near_boundary(logits: &[f32], p: &SamplingParams, step: u64, token: u32) -> bool {
+pub(super) fn near_boundary(logits: &[f32], p: &SamplingParams, step: u64, token: u32) -> bool {
     let u = sampling::uniform(p.seed, step);
     let moves = [-NEAR, 0.0, NEAR];
     let top_ps: Vec<f32> = if p.top_p < 1.0 {
@@ -154,7 +154,7 @@ fn check_draw(dev: &Device, logits: &[f32], recent: &[u32], p: &SamplingParams, 
 /// GPU draws that differ from the CPU's (each at a boundary, `check_draw` made sure) are rare:
 /// a draw lands within NEAR of a boundary with probability ~1e-5, so at most one in 1,000 may
 /// differ (none in a test of fewer draws).
-fn few_mismatches(what: &str, mismatches: usize, cases: usize) {
+pub(super) fn few_mismatches(what: &str, mismatches: usize, cases: usize) {
     println!("{what}: {mismatches} mismatches in {cases} draws");
     assert!(
         mismatches * 1000 <= cases,

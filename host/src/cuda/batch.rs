@@ -1,0 +1,195 @@
+//! The batching engine's GPU backend: each step's rows (decode tokens and prefill chunks of
+//! many sequences) in one batched forward pass over a paged KV cache, then each sampling row's
+//! next token: greedy rows by an arg-max on the GPU, the others from their logits.
+use cudarc::driver::CudaSlice;
+
+use super::model::{CudaModel, MAX_BATCH, StepInputs};
+use super::paged::{AttentionItem, PagedKv};
+use crate::batch::{Backend, Row, RowOutput, SampleSpec, sample_row};
+use crate::{Error, Result};
+
+/// Tokens of a KV block.
+const BLOCK_TOKENS: usize = 16;
+/// GPU memory the pool leaves free (for the driver, graphs and the sampler's scratch).
+const HEADROOM: usize = 1 << 30;
+
+pub struct CudaBatch {
+    model: CudaModel,
+    /// One paged cache per layer.
+    kv: Vec<PagedKv>,
+    blocks: usize,
+    step: StepInputs,
+    /// The rows whose logits a step computes, and their arg-max.
+    sample_rows: CudaSlice<u32>,
+    best: CudaSlice<u32>,
+}
+
+impl CudaBatch {
+    /// The backend of `model`, with a KV pool of `kv_tokens` tokens, or by default the smaller
+    /// of `default_tokens` and what free GPU memory holds (less `HEADROOM`).
+    pub fn new(
+        model: CudaModel,
+        kv_tokens: Option<usize>,
+        default_tokens: usize,
+    ) -> Result<CudaBatch> {
+        let c = &model.cfg;
+        let token_bytes = 2 * c.n_layers * c.kv_dim() * 2;
+        let (free, _) = model.device().memory()?;
+        let fits = free.saturating_sub(HEADROOM) / token_bytes;
+        let tokens = kv_tokens.unwrap_or(default_tokens.min(fits));
+        if tokens > fits {
+            return Err(Error::GpuMemory(format!(
+                "a KV pool of {tokens} tokens needs {:.2} GiB but {:.2} GiB are free",
+                (tokens * token_bytes) as f64 / (1u64 << 30) as f64,
+                free as f64 / (1u64 << 30) as f64
+            )));
+        }
+        let blocks = tokens / BLOCK_TOKENS;
+        if blocks == 0 {
+            return Err(Error::Invalid(format!(
+                "a KV pool of {tokens} tokens holds no block of {BLOCK_TOKENS}"
+            )));
+        }
+        let dev = model.device();
+        let kv = (0..c.n_layers)
+            .map(|_| dev.paged_kv(blocks * BLOCK_TOKENS, c.kv_dim()))
+            .collect::<Result<Vec<_>>>()?;
+        // Tables of the sequences of a step: each block is in at most one, plus a partly
+        // filled last block each.
+        let step = model.step_inputs(blocks + MAX_BATCH, BLOCK_TOKENS)?;
+        Ok(CudaBatch {
+            sample_rows: dev.zeros(MAX_BATCH)?,
+            best: dev.zeros(MAX_BATCH)?,
+            kv,
+            blocks,
+            step,
+            model,
+        })
+    }
+
+    /// One forward pass over `rows` (their tokens `MAX_BATCH` at most in all).
+    fn run(&mut self, rows: &[&Row]) -> Result<Vec<RowOutput>> {
+        let bt = BLOCK_TOKENS;
+        let (mut ids, mut positions, mut slots) = (vec![], vec![], vec![]);
+        let (mut items, mut tables, mut sampled) = (vec![], vec![], vec![]);
+        for r in rows {
+            let (first, table) = (ids.len(), tables.len());
+            tables.extend_from_slice(r.blocks);
+            for (i, &t) in r.tokens.iter().enumerate() {
+                let p = r.start + i;
+                let block = match r.blocks.get(p / bt) {
+                    Some(&b) if (b as usize) < self.blocks => b as usize,
+                    _ => {
+                        return Err(Error::Invalid(format!(
+                            "position {p} has no block of the pool in its block table"
+                        )));
+                    }
+                };
+                ids.push(t);
+                positions.push(p as u32);
+                slots.push((block * bt + p % bt) as u32);
+            }
+            items.extend(AttentionItem::split(first, r.tokens.len(), r.start, table));
+            if r.sample.is_some() {
+                sampled.push((ids.len() - 1) as u32);
+            }
+        }
+        let vocab = self.model.cfg.vocab;
+        if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
+            return Err(Error::Invalid(format!(
+                "token id {bad} is outside the vocabulary ({vocab})"
+            )));
+        }
+        let n = ids.len();
+        let s = &mut self.step;
+        let dev = self.model.device();
+        dev.copy_to(&mut s.ids, &ids)?;
+        dev.copy_to(&mut s.positions, &positions)?;
+        dev.copy_to(&mut s.slots, &slots)?;
+        dev.copy_to(&mut s.items, &AttentionItem::flatten(&items))?;
+        dev.copy_to(&mut s.tables, &tables)?;
+        s.n_items = items.len();
+        self.model.forward_rows(&mut self.kv, &self.step, n)?;
+        if sampled.is_empty() {
+            return Ok(Vec::new());
+        }
+
+        let m = sampled.len();
+        let dev = self.model.device();
+        dev.copy_to(&mut self.sample_rows, &sampled)?;
+        self.model.logits_of_rows(&self.sample_rows, m)?;
+        let logits = self.model.logits();
+        let dev = self.model.device();
+        dev.argmax_rows(&mut self.best, logits, m, vocab)?;
+        let best = dev.download(&self.best.slice(..m))?;
+        let specs = rows.iter().filter_map(|r| r.sample.as_ref());
+        specs
+            .zip(best)
+            .enumerate()
+            .map(|(i, (spec, best))| {
+                if is_plain_greedy(spec) {
+                    return Ok(RowOutput {
+                        token: best,
+                        logprob: None,
+                    });
+                }
+                let mut row = dev.download(&logits.slice(i * vocab..(i + 1) * vocab))?;
+                Ok(sample_row(&mut row, spec))
+            })
+            .collect()
+    }
+}
+
+/// Whether a row's token is the arg-max of its raw logits: greedy, no penalty, no logprobs.
+fn is_plain_greedy(spec: &SampleSpec) -> bool {
+    let (s, p) = (spec.sampling, &spec.sampling.params);
+    p.temperature == 0.0
+        && p.repeat_penalty == 1.0
+        && s.frequency_penalty == 0.0
+        && s.presence_penalty == 0.0
+        && spec.logprobs.is_none()
+}
+
+impl Backend for CudaBatch {
+    fn step(&mut self, rows: &[Row]) -> Result<Vec<RowOutput>> {
+        // Rows go in forward passes of at most MAX_BATCH tokens, whole rows each.
+        let mut out = Vec::new();
+        let mut group: Vec<&Row> = Vec::new();
+        let mut tokens = 0;
+        for r in rows {
+            if r.tokens.is_empty() || r.tokens.len() > MAX_BATCH {
+                return Err(Error::Invalid(format!(
+                    "a row of a batched step feeds 1 to {MAX_BATCH} tokens, not {}",
+                    r.tokens.len()
+                )));
+            }
+            if tokens + r.tokens.len() > MAX_BATCH {
+                out.extend(self.run(&group)?);
+                group.clear();
+                tokens = 0;
+            }
+            group.push(r);
+            tokens += r.tokens.len();
+        }
+        if !group.is_empty() {
+            out.extend(self.run(&group)?);
+        }
+        Ok(out)
+    }
+
+    fn kv_block_tokens(&self) -> usize {
+        BLOCK_TOKENS
+    }
+
+    fn kv_blocks(&self) -> usize {
+        self.blocks
+    }
+
+    fn ctx_len(&self) -> usize {
+        self.model.max_ctx()
+    }
+
+    fn device(&self) -> String {
+        self.model.device().name().unwrap_or_else(|_| "cuda".into())
+    }
+}

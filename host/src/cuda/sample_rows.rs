@@ -1,0 +1,132 @@
+//! Launch helper of the batched sampler (gpu-kernels/src/sample_rows.rs): each row of a
+//! logits matrix sampled with its own parameters, penalties and draw.
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+
+use super::{Device, check, u32_of};
+use crate::Result;
+
+/// Words of a row's parameters (gpu-kernels' `PARAM_WORDS`).
+const PARAM_WORDS: usize = 10;
+
+/// How one row is sampled: `sampling::SamplingParams`' temperature, top-k (0 = off), top-p
+/// and min-p, the draw `uniform(seed, draw)`, and the penalties as `(id, scale, sub)` of
+/// distinct ids: the logit is divided by `scale` if >= 0 (else multiplied), then `sub`
+/// subtracted.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct RowSampling {
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub min_p: f32,
+    pub seed: u64,
+    pub draw: u64,
+    pub penalties: Vec<(u32, f32, f32)>,
+}
+
+/// The device buffers `sample_rows` reads its rows' parameters and penalties from; they grow
+/// when a batch needs more.
+#[derive(Default)]
+pub struct RowSamplerInputs {
+    params: Option<CudaSlice<u32>>,
+    ids: Option<CudaSlice<u32>>,
+    scale: Option<CudaSlice<f32>>,
+    sub: Option<CudaSlice<f32>>,
+}
+
+/// `buf` with room for `len` values (at least one), reallocated if it has less.
+fn room<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
+    dev: &Device,
+    buf: &mut Option<CudaSlice<T>>,
+    len: usize,
+) -> Result<()> {
+    if buf.as_ref().is_none_or(|b| b.len() < len.max(1)) {
+        *buf = Some(dev.zeros(len.max(1).next_power_of_two())?);
+    }
+    Ok(())
+}
+
+impl Device {
+    /// `out[r]`: the next token of row `r` of `logits = [rows.len(), vocab]` (penalised in
+    /// place) as `sampling::sample` picks it for the same penalised logits and parameters
+    /// (its twin), but for last-bit differences at a boundary.
+    pub fn sample_rows(
+        &self,
+        out: &mut impl DevicePtrMut<u32>,
+        logits: &mut impl DevicePtrMut<f32>,
+        vocab: usize,
+        rows: &[RowSampling],
+        inputs: &mut RowSamplerInputs,
+    ) -> Result<()> {
+        check(
+            !rows.is_empty()
+                && vocab > 0
+                && out.len() >= rows.len()
+                && logits.len() >= rows.len() * vocab,
+            "sample_rows: shapes",
+        )?;
+        let mut params = Vec::with_capacity(rows.len() * PARAM_WORDS);
+        let (mut ids, mut scale, mut sub) = (vec![], vec![], vec![]);
+        for r in rows {
+            params.extend([
+                r.temperature.to_bits(),
+                r.top_k,
+                r.top_p.to_bits(),
+                r.min_p.to_bits(),
+                r.seed as u32,
+                (r.seed >> 32) as u32,
+                r.draw as u32,
+                (r.draw >> 32) as u32,
+                u32_of(ids.len(), "sample_rows: penalties")?,
+                u32_of(r.penalties.len(), "sample_rows: penalties")?,
+            ]);
+            for &(id, s, d) in &r.penalties {
+                ids.push(id);
+                scale.push(s);
+                sub.push(d);
+            }
+        }
+        room(self, &mut inputs.params, params.len())?;
+        room(self, &mut inputs.ids, ids.len())?;
+        room(self, &mut inputs.scale, scale.len())?;
+        room(self, &mut inputs.sub, sub.len())?;
+        let (Some(pd), Some(idd), Some(sd), Some(dd)) = (
+            &mut inputs.params,
+            &mut inputs.ids,
+            &mut inputs.scale,
+            &mut inputs.sub,
+        ) else {
+            unreachable!("room allocated every buffer")
+        };
+        self.copy_to(pd, &params)?;
+        self.copy_to(idd, &ids)?;
+        self.copy_to(sd, &scale)?;
+        self.copy_to(dd, &sub)?;
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(rows.len(), "sample_rows: rows")?, 1, 1),
+            // 512: the kernel's registers do not fit 1024 threads.
+            block_dim: (512, 1, 1),
+            shared_mem_bytes: 64 * 4,
+        };
+        let n = u32_of(vocab, "sample_rows: vocab")?;
+        let s = self.stream();
+        let (op, _o) = out.device_ptr_mut(s);
+        let (lp, _l) = logits.device_ptr_mut(s);
+        let (pp, _p) = pd.device_ptr(s);
+        let (ip, _i) = idd.device_ptr(s);
+        let (sp, _s) = sd.device_ptr(s);
+        let (dp, _d) = dd.device_ptr(s);
+        let mut l = self.launch("sample_rows");
+        l.arg(&op)
+            .arg(&lp)
+            .arg(&n)
+            .arg(&pp)
+            .arg(&ip)
+            .arg(&sp)
+            .arg(&dp);
+        // SAFETY: parameters (u32*, f32*, u32, const u32*, const u32*, const f32*, const f32*);
+        // each block reads its row's PARAM_WORDS words, its penalties (inside the buffers just
+        // filled) and its row of logits, and writes out[r] (checked above).
+        unsafe { l.run(cfg, false) }?;
+        Ok(())
+    }
+}
