@@ -1,11 +1,10 @@
 //! The paged KV cache of batched steps: RoPE and the cache store for rows at their own
 //! positions, attention of each row over its sequence read through the sequence's block table,
-//! and the row gather and arg-max that end a batched step. CPU twins: `orcd::cpu::rope_neox`
+//! and the row gather that ends a batched step. CPU twins: `orcd::cpu::rope_neox`
 //! (per row) with the cache's f16 rounding, `orcd::cpu::attention` over a sequence gathered
-//! from its blocks, `orcd::cpu::argmax` per row.
+//! from its blocks.
 use core::arch::nvptx;
 
-use crate::sampling::scan_best;
 use crate::util::{WARP, block, block_dim, exp, shared, sync_threads, thread, warp_max, warp_sum};
 
 /// Query rows of one sequence that a block of `paged_attention` takes at once: they share
@@ -254,17 +253,6 @@ pub unsafe extern "gpu-kernel" fn gather_rows(
     while i < n as usize {
         unsafe { *out.add(i) = *x.add(i) };
         i += block_dim() as usize;
-    }
-}
-
-/// `out[r] = argmax(x[r])` for rows of `n` logits, as `argmax` for each. Grid: one block per
-/// row; block as `argmax`'s; shared: 32 f32 + 32 u32.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn argmax_rows(out: *mut u32, x: *const f32, n: u32) {
-    let r = block() as usize;
-    let (_, i) = scan_best(unsafe { x.add(r * n as usize) }, n);
-    if thread() == 0 {
-        unsafe { *out.add(r) = i };
     }
 }
 

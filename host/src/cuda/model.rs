@@ -778,9 +778,10 @@ impl CudaModel {
         )
     }
 
-    /// The logits buffer `[MAX_BATCH, vocab]`: where `logits_of_rows` leaves its rows.
-    pub(crate) fn logits(&self) -> &CudaSlice<f32> {
-        &self.buf.logits
+    /// The device, and the logits buffer `[MAX_BATCH, vocab]` where `logits_of_rows` leaves
+    /// its rows.
+    pub(crate) fn logits_mut(&mut self) -> (&Device, &mut CudaSlice<f32>) {
+        (&self.dev, &mut self.buf.logits)
     }
 
     /// The device buffers of the rows of one batched step, for up to `MAX_BATCH` rows and

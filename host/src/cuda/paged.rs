@@ -228,32 +228,4 @@ impl Device {
         unsafe { l.run(cfg, false) }?;
         Ok(())
     }
-
-    /// `out[r] = argmax(x[r])` for `rows` rows of `n`. Twin: `cpu::argmax` of each row.
-    pub fn argmax_rows(
-        &self,
-        out: &mut impl DevicePtrMut<u32>,
-        x: &impl DevicePtr<f32>,
-        rows: usize,
-        n: usize,
-    ) -> Result<()> {
-        check(
-            rows > 0 && out.len() >= rows && x.len() >= rows * n,
-            "argmax_rows: shapes",
-        )?;
-        let n = u32_of(n, "argmax_rows: n")?;
-        let cfg = LaunchConfig {
-            grid_dim: (u32_of(rows, "argmax_rows: rows")?, 1, 1),
-            block_dim: (1024, 1, 1),
-            shared_mem_bytes: 64 * 4,
-        };
-        let s = self.stream();
-        let (op, _o) = out.device_ptr_mut(s);
-        let (xp, _x) = x.device_ptr(s);
-        let mut l = self.launch("argmax_rows");
-        l.arg(&op).arg(&xp).arg(&n);
-        // SAFETY: parameters (u32*, const f32*, u32); reads rows·n floats, writes rows u32.
-        unsafe { l.run(cfg, false) }?;
-        Ok(())
-    }
 }

@@ -1,6 +1,6 @@
 //! The paged family against its CPU twins: rope_kv_paged (RoPE per row, the cache store in
 //! f16), paged_attention over block tables mixing decode rows and prefill chunks (against
-//! `cpu::attention` over each sequence gathered from its blocks), gather_rows and argmax_rows.
+//! `cpu::attention` over each sequence gathered from its blocks) and gather_rows.
 use half::f16;
 use orcd::cpu;
 use orcd::cuda::paged::AttentionItem;
@@ -192,29 +192,19 @@ fn paged_attention_matches_cpu_over_gathered_sequences() {
 }
 
 #[test]
-fn gather_and_argmax_rows_match_cpu() {
+fn gather_rows_copies_the_rows_asked_for() {
     let Some(dev) = gpu() else { return };
     let mut rng = Rng::new(43);
-    let (n, rows) = (151_936, 6);
+    let (n, rows) = (896, 6);
     let mut x = rand(&mut rng, rows * n, 10.0);
-    // A tie (the first index wins) and a NaN that must not win.
-    x[3 * n + 10] = 20.0;
-    x[3 * n + 99] = 20.0;
     x[4 * n + 5] = f32::NAN;
-    let pick = [5u32, 3, 0, 4];
-    let xd = dev.upload(&x).unwrap();
+    let pick = [5u32, 3, 0, 4, 3];
     let mut g = dev.zeros::<f32>(pick.len() * n).unwrap();
-    dev.gather_rows(&mut g, &xd, &dev.upload(&pick).unwrap(), pick.len(), n)
+    dev.gather_rows(&mut g, &dev.upload(&x).unwrap(), &dev.upload(&pick).unwrap(), pick.len(), n)
         .unwrap();
-    let mut best = dev.zeros::<u32>(pick.len()).unwrap();
-    dev.argmax_rows(&mut best, &g, pick.len(), n).unwrap();
-    let got = dev.download(&best).unwrap();
     let gathered = dev.download(&g).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (i, &r) in pick.iter().enumerate() {
-        let row = &x[r as usize * n..][..n];
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&gathered[i * n..][..n]), bits(row), "row {r}");
-        assert_eq!(got[i], cpu::argmax(row), "row {r}");
+        assert_eq!(bits(&gathered[i * n..][..n]), bits(&x[r as usize * n..][..n]), "row {r}");
     }
-    assert_eq!(got[1], 10, "the tie goes to the first index");
 }
