@@ -13,6 +13,7 @@ mod fetch_model;
 mod inspect;
 mod logits;
 mod run;
+mod serve;
 mod tokenize;
 
 /// What `orcd --help` says about itself, shared with `cargo xtask`.
@@ -24,6 +25,8 @@ pub const AFTER_HELP: &str =
 pub enum Cmd {
     /// Generate text for a prompt (chat template applied), streamed to stdout.
     Run(run::Args),
+    /// Serve the model over HTTP: the OpenAI API, the worker API and Prometheus metrics.
+    Serve(serve::Args),
     /// Print the top logits after every token of a prompt, one JSON line per position.
     Logits(logits::Args),
     /// Measure load time, prefill and decode speed on a fixed prompt.
@@ -40,6 +43,7 @@ pub enum Cmd {
 pub fn run(cmd: Cmd) -> anyhow::Result<()> {
     match cmd {
         Cmd::Run(a) => run::main(a),
+        Cmd::Serve(a) => serve::main(a),
         Cmd::Logits(a) => logits::main(a),
         Cmd::Bench(a) => bench::main(a),
         Cmd::FetchModel(a) => fetch_model::main(a),

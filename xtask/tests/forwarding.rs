@@ -23,6 +23,7 @@ fn every_command_is_there() {
         .collect();
     for c in [
         "run",
+        "serve",
         "logits",
         "bench",
         "fetch-model",
@@ -40,4 +41,6 @@ fn forwarded_commands_take_their_options() {
     let run = help(&["run", "--help"]);
     assert!(run.starts_with("Generate text for a prompt"), "{run}");
     assert!(run.contains("--repeat-penalty <REPEAT_PENALTY>"), "{run}");
+    let serve = help(&["serve", "--help"]);
+    assert!(serve.contains("--api-key <API_KEY>"), "{serve}");
 }
