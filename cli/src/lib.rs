@@ -8,6 +8,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::LevelFilter;
 
 mod bench;
+mod bench_serve;
 mod common;
 mod fetch_model;
 mod inspect;
@@ -31,6 +32,8 @@ pub enum Cmd {
     Logits(logits::Args),
     /// Measure load time, prefill and decode speed on a fixed prompt.
     Bench(bench::Args),
+    /// Load-test an OpenAI-compatible server: N streaming clients in a closed loop.
+    BenchServe(bench_serve::Args),
     /// Download, verify and cache a model listed in models.lock; prints its path.
     FetchModel(fetch_model::Args),
     /// Print a GGUF file's metadata summary and tensor table.
@@ -46,6 +49,7 @@ pub fn run(cmd: Cmd) -> anyhow::Result<()> {
         Cmd::Serve(a) => serve::main(a),
         Cmd::Logits(a) => logits::main(a),
         Cmd::Bench(a) => bench::main(a),
+        Cmd::BenchServe(a) => bench_serve::main(a),
         Cmd::FetchModel(a) => fetch_model::main(a),
         Cmd::Inspect(a) => inspect::main(a),
         Cmd::Tokenize(a) => tokenize::main(a),

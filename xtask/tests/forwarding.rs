@@ -26,6 +26,7 @@ fn every_command_is_there() {
         "serve",
         "logits",
         "bench",
+        "bench-serve",
         "fetch-model",
         "inspect",
         "tokenize",
