@@ -227,6 +227,25 @@ fn load_model(
     })
 }
 
+/// Opens the GGUF file at `path` and builds its tokenizer (~0.2 s for Qwen2's 151k tokens and
+/// merges) while `load` opens the device and loads the weights; the tokenizer's error, if any,
+/// is the one reported.
+pub(crate) fn open_with_tokenizer<T>(
+    path: &Path,
+    load: impl FnOnce(&Gguf) -> Result<T>,
+) -> Result<(Tokenizer, T)> {
+    let g = Gguf::open(path)?;
+    let (tokenizer, loaded) = std::thread::scope(|s| {
+        let tokenizer = s.spawn(|| Tokenizer::from_gguf(&g));
+        let loaded = load(&g);
+        let tokenizer = tokenizer
+            .join()
+            .unwrap_or_else(|e| std::panic::resume_unwind(e));
+        (tokenizer, loaded)
+    });
+    Ok((tokenizer?, loaded?))
+}
+
 /// A loaded model: weights on its device, tokenizer and chat template.
 pub struct Engine {
     tokenizer: Tokenizer,
@@ -251,21 +270,10 @@ impl Engine {
         progress: &mut dyn FnMut(Progress),
     ) -> Result<Engine> {
         let t0 = Instant::now();
-        let g = Gguf::open(path)?;
         let ctx = opts.ctx.unwrap_or(DEFAULT_CTX);
         let mut notice = None;
-        // The tokenizer (~0.2 s for Qwen2's 151k tokens and merges) is built while the device
-        // opens and the weights load; its error, if any, is the one reported.
-        let (tokenizer, loaded) = std::thread::scope(|s| {
-            let tokenizer = s.spawn(|| Tokenizer::from_gguf(&g));
-            let loaded = load_model(&g, opts, ctx, progress, &mut notice);
-            let tokenizer = tokenizer
-                .join()
-                .unwrap_or_else(|e| std::panic::resume_unwind(e));
-            (tokenizer, loaded)
-        });
-        let tokenizer = tokenizer?;
-        let (model, device, vocab) = loaded?;
+        let (tokenizer, (model, device, vocab)) =
+            open_with_tokenizer(path, |g| load_model(g, opts, ctx, progress, &mut notice))?;
         let load_s = t0.elapsed().as_secs_f64();
         Ok(Engine {
             tokenizer,

@@ -1,8 +1,8 @@
 //! orcd: a pure-Rust inference engine for Qwen2-family GGUF models on NVIDIA GPUs.
 
+pub mod batch;
 pub mod chat;
 pub mod config;
-pub mod batch;
 pub mod cpu;
 pub mod cuda;
 pub mod engine;

@@ -145,6 +145,23 @@ pub fn apply_repeat_penalty(logits: &mut [f32], recent: &[u32], penalty: f32, la
     }
 }
 
+/// OpenAI's additive penalties (`frequency_penalty`, `presence_penalty`), applied after the
+/// repetition penalty as vLLM does: a token that occurs `c` times in `output` (the generated
+/// tokens, not the prompt) loses `c * frequency + presence` from its logit. Negative values
+/// favour repeats. Ids outside the vocabulary are ignored.
+pub fn apply_frequency_presence(logits: &mut [f32], output: &[u32], frequency: f32, presence: f32) {
+    if frequency == 0.0 && presence == 0.0 {
+        return;
+    }
+    let mut ids = output.to_vec();
+    ids.sort_unstable();
+    for run in ids.chunk_by(|a, b| a == b) {
+        if let Some(l) = logits.get_mut(run[0] as usize) {
+            *l -= run.len() as f32 * frequency + presence;
+        }
+    }
+}
+
 /// Steps 3 and 4: the candidates `(id, (logit - max) / temperature)`, only those with the `k`
 /// best logits (ties to the lower id) unless `k` is 0, in no particular order. NaN and -inf
 /// logits are never candidates. Dividing keeps the order, so top-k is done on the logits and
@@ -416,6 +433,30 @@ mod tests {
         };
         assert_eq!(sample(&mut [3.0, 2.0], &[0], &p, 0), 1);
         assert_eq!(sample(&mut [3.0, 2.0], &[1], &p, 0), 0);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties() {
+        // Token 1 occurs three times, 3 once, 0 never; 9 is outside the vocabulary.
+        let output = [1, 3, 1, 9, 1];
+        let mut logits = [1.0, 2.0, -1.0, 0.5];
+        apply_frequency_presence(&mut logits, &output, 0.5, 0.0);
+        assert_eq!(logits, [1.0, 0.5, -1.0, 0.0]);
+        let mut logits = [1.0, 2.0, -1.0, 0.5];
+        apply_frequency_presence(&mut logits, &output, 0.0, 0.25);
+        assert_eq!(logits, [1.0, 1.75, -1.0, 0.25]);
+        // Both, and negative: repeats favoured.
+        let mut logits = [1.0, 2.0, -1.0, 0.5];
+        apply_frequency_presence(&mut logits, &output, -1.0, 1.0);
+        assert_eq!(logits, [1.0, 4.0, -1.0, 0.5]);
+        // Greedy switches away from a token once it has been generated enough.
+        let p = SamplingParams::greedy();
+        let mut logits = [3.0, 2.0];
+        apply_frequency_presence(&mut logits, &[0, 0], 0.6, 0.0);
+        assert_eq!(sample(&mut logits, &[], &p, 0), 1);
+        let mut logits = [3.0, 2.0];
+        apply_frequency_presence(&mut logits, &[0], 0.6, 0.0);
+        assert_eq!(sample(&mut logits, &[], &p, 0), 0);
     }
 
     #[test]

@@ -46,8 +46,7 @@ pub fn refs() -> &'static serde_json::Value {
 
 /// The references in `dir` for a model file of `bytes` bytes.
 pub fn refs_for(dir: &std::path::Path, bytes: u64) -> Result<serde_json::Value, String> {
-    let entries =
-        std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("reading {}: {e}", dir.display()))?;
     let mut names = Vec::new();
     for entry in entries {
         let path = entry.map_err(|e| e.to_string())?.path();

@@ -9,16 +9,27 @@
 //! row is sampled with its own parameters. The KV cache is paged: fixed-size blocks from one
 //! pool, a block table per sequence, blocks back to the pool the moment a sequence ends.
 use std::path::Path;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::time::Duration;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
+use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc::UnboundedReceiver;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
-use crate::engine::LoadOptions;
+use crate::cpu::model::CpuModel;
+use crate::engine::{DEFAULT_CTX, DeviceChoice, LoadOptions, open_with_tokenizer};
+use crate::gguf::Gguf;
 use crate::sampling::SamplingParams;
 use crate::tokenizer::Tokenizer;
 use crate::{Error, Result};
+
+pub mod backend;
+pub mod cpu;
+pub mod kv;
+mod scheduler;
+pub mod stop;
+
+use backend::Backend;
+use scheduler::{Pending, Scheduler};
 
 /// How the engine thread schedules and how big its KV pool is.
 #[derive(Clone, Debug)]
@@ -171,45 +182,258 @@ pub struct EngineStatus {
     pub kv_block_tokens: usize,
     /// Forward steps run so far.
     pub steps: u64,
+    /// Sequences sent back to the queue so far because the KV pool ran out.
+    pub preemptions: u64,
 }
 
-/// The handle of a running batch engine: cheap to clone, usable from any thread.
+/// The most top log-probabilities a request may ask for (OpenAI's limit).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// What `submit` and the engine thread share.
+struct Shared {
+    state: Mutex<State>,
+    /// Wakes the idle engine thread: a request came, or shutdown.
+    wake: Condvar,
+}
+
+struct State {
+    /// Submitted, not yet taken by the engine thread.
+    inbox: Vec<Pending>,
+    shutdown: bool,
+    /// As of the engine thread's last look (`waiting` without the inbox).
+    status: EngineStatus,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn shutdown(&self) {
+        self.lock().shutdown = true;
+        self.wake.notify_one();
+    }
+}
+
+/// The handle of a running batch engine: cheap to clone, usable from any thread. When the last
+/// clone is dropped the engine shuts down: it finishes what it has, then its thread ends.
 #[derive(Clone)]
 pub struct BatchEngine {
-    _todo: Arc<()>,
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    shared: Arc<Shared>,
+    tokenizer: Arc<Tokenizer>,
+    ctx: usize,
+    device: String,
+    block_tokens: usize,
+    kv_blocks: usize,
+    max_queue: usize,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.shared.shutdown();
+    }
 }
 
 impl BatchEngine {
     /// Loads the model at `path` (as `Engine::load` does) and starts the engine thread.
-    pub fn start(_path: &Path, _load: &LoadOptions, _opts: &BatchOptions) -> Result<BatchEngine> {
-        Err(Error::Invalid("todo".into()))
+    pub fn start(path: &Path, load: &LoadOptions, opts: &BatchOptions) -> Result<BatchEngine> {
+        let ctx = load.ctx.unwrap_or(DEFAULT_CTX);
+        let (tokenizer, backend) = open_with_tokenizer(path, |g| load_backend(g, load, ctx, opts))?;
+        BatchEngine::with_backend(backend, tokenizer, opts)
+    }
+
+    /// Starts the engine thread on `backend`, a model already loaded with its `tokenizer`.
+    pub fn with_backend(
+        backend: Box<dyn Backend>,
+        tokenizer: Tokenizer,
+        opts: &BatchOptions,
+    ) -> Result<BatchEngine> {
+        if opts.max_running == 0 || opts.step_tokens == 0 {
+            return Err(Error::Invalid(format!(
+                "max_running and step_tokens must be at least 1, got {} and {}",
+                opts.max_running, opts.step_tokens
+            )));
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State {
+                inbox: Vec::new(),
+                shutdown: false,
+                status: EngineStatus::default(),
+            }),
+            wake: Condvar::new(),
+        });
+        let tokenizer = Arc::new(tokenizer);
+        let inner = Inner {
+            shared: shared.clone(),
+            tokenizer: tokenizer.clone(),
+            ctx: backend.ctx_len(),
+            device: backend.device(),
+            block_tokens: backend.kv_block_tokens(),
+            kv_blocks: backend.kv_blocks(),
+            max_queue: opts.max_queue,
+        };
+        let (max_running, step_tokens) = (opts.max_running, opts.step_tokens);
+        std::thread::Builder::new()
+            .name("orcd-batch".into())
+            .spawn(move || engine_thread(&shared, backend, &tokenizer, max_running, step_tokens))
+            .map_err(|e| Error::Invalid(format!("starting the engine thread: {e}")))?;
+        Ok(BatchEngine {
+            inner: Arc::new(inner),
+        })
     }
 
     /// Queues `req`; its events start with its first token.
-    pub fn submit(&self, _req: Request) -> Result<RequestHandle, SubmitError> {
-        todo!()
+    pub fn submit(&self, req: Request) -> Result<RequestHandle, SubmitError> {
+        self.check(&req).map_err(SubmitError::Invalid)?;
+        let (tx, events) = unbounded_channel();
+        let cancel = CancelHandle::default();
+        let mut st = self.inner.shared.lock();
+        if st.shutdown {
+            return Err(SubmitError::ShuttingDown);
+        }
+        let waiting = st.inbox.len() + st.status.waiting;
+        if waiting >= self.inner.max_queue {
+            return Err(SubmitError::QueueFull(waiting));
+        }
+        st.inbox.push(Pending {
+            req,
+            events: tx,
+            cancel: cancel.clone(),
+            submitted: Instant::now(),
+        });
+        self.inner.shared.wake.notify_one();
+        Ok(RequestHandle { events, cancel })
+    }
+
+    /// Why `req` can never be served, if it cannot.
+    fn check(&self, req: &Request) -> Result<(), String> {
+        let inner = &self.inner;
+        let n = req.prompt.len();
+        if n == 0 {
+            return Err("the prompt is empty".into());
+        }
+        if n > inner.ctx {
+            return Err(format!(
+                "the prompt has {n} tokens but the context holds {}",
+                inner.ctx
+            ));
+        }
+        let need = (n + 1).div_ceil(inner.block_tokens);
+        if need > inner.kv_blocks {
+            return Err(format!(
+                "the prompt has {n} tokens: with one generated token it needs {need} KV blocks \
+                 of {} but the pool holds {}",
+                inner.block_tokens, inner.kv_blocks
+            ));
+        }
+        let vocab = inner.tokenizer.vocab_size();
+        if let Some(bad) = req.prompt.iter().find(|&&t| t as usize >= vocab) {
+            return Err(format!(
+                "token id {bad} is outside the vocabulary ({vocab})"
+            ));
+        }
+        if req.max_tokens == 0 {
+            return Err("max_tokens must be at least 1".into());
+        }
+        req.sampling.params.validate().map_err(|e| e.to_string())?;
+        for (name, v) in [
+            ("frequency_penalty", req.sampling.frequency_penalty),
+            ("presence_penalty", req.sampling.presence_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} must be in [-2, 2], got {v}"));
+            }
+        }
+        if let Some(n) = req.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+            return Err(format!("logprobs must be at most {MAX_LOGPROBS}, got {n}"));
+        }
+        if req.stop_strings.iter().any(String::is_empty) {
+            return Err("a stop string is empty".into());
+        }
+        Ok(())
     }
 
     pub fn tokenizer(&self) -> &Tokenizer {
-        todo!()
+        &self.inner.tokenizer
     }
 
     /// The context length: prompt and generated tokens together fit in it.
     pub fn ctx_len(&self) -> usize {
-        todo!()
+        self.inner.ctx
     }
 
     /// "cpu" or the GPU's name.
     pub fn device(&self) -> &str {
-        todo!()
+        &self.inner.device
     }
 
     pub fn status(&self) -> EngineStatus {
-        todo!()
+        let st = self.inner.shared.lock();
+        EngineStatus {
+            waiting: st.status.waiting + st.inbox.len(),
+            ..st.status.clone()
+        }
     }
 
     /// Refuses new requests from now on; running and waiting ones go on to their end.
     pub fn shutdown(&self) {
-        todo!()
+        self.inner.shared.shutdown();
+    }
+}
+
+/// The backend for `load.device`: the one place the batch engine's device is chosen.
+fn load_backend(
+    g: &Gguf,
+    load: &LoadOptions,
+    ctx: usize,
+    opts: &BatchOptions,
+) -> Result<Box<dyn Backend>> {
+    if load.device == DeviceChoice::Cuda {
+        return Err(Error::Invalid(
+            "the batch engine has no CUDA backend yet".into(),
+        ));
+    }
+    let model = Arc::new(CpuModel::load(g, ctx)?);
+    let kv_tokens = opts.kv_tokens.unwrap_or(model.max_ctx() * opts.max_running);
+    Ok(Box::new(cpu::CpuBackend::new(model, kv_tokens)))
+}
+
+/// The engine thread: takes in requests, runs steps while there is work, sleeps while there is
+/// none, and ends once shut down with nothing left.
+fn engine_thread(
+    shared: &Shared,
+    mut backend: Box<dyn Backend>,
+    tokenizer: &Tokenizer,
+    max_running: usize,
+    step_tokens: usize,
+) {
+    let mut sched = Scheduler::new(tokenizer, &*backend, max_running, step_tokens);
+    loop {
+        {
+            let mut st = shared.lock();
+            loop {
+                for p in st.inbox.drain(..) {
+                    sched.enqueue(p);
+                }
+                st.status = sched.status();
+                if !sched.is_idle() {
+                    break;
+                }
+                if st.shutdown {
+                    return;
+                }
+                st = shared.wake.wait(st).unwrap_or_else(PoisonError::into_inner);
+            }
+        }
+        let last = sched.step(&mut *backend);
+        shared.lock().status = sched.status();
+        // After the status, so that whoever sees a `Done` sees the blocks back in the pool.
+        for (events, event) in last {
+            let _ = events.send(event);
+        }
     }
 }

@@ -211,6 +211,48 @@ pub fn attention(
     n_kv: usize,
     head_dim: usize,
 ) {
+    let shape = (n_heads, n_kv, head_dim);
+    attend(out, q, (k_cache, v_cache), |j| j, pos, shape);
+}
+
+/// `attention` over a paged KV cache: key and value `j` of the sequence are row `j %
+/// block_tokens` of block `blocks[j / block_tokens]` of `k_cache`/`v_cache`
+/// (`[blocks, block_tokens, n_kv * head_dim]`), so many sequences share one cache and none needs
+/// its positions side by side. The same math as `attention`, key for key.
+#[allow(clippy::too_many_arguments)] // the shapes, as the GPU kernel takes them
+pub fn paged_attention(
+    out: &mut [f32],
+    q: &[f32],
+    k_cache: &[f32],
+    v_cache: &[f32],
+    blocks: &[u32],
+    block_tokens: usize,
+    pos: usize,
+    n_heads: usize,
+    n_kv: usize,
+    head_dim: usize,
+) {
+    let row = |j: usize| blocks[j / block_tokens] as usize * block_tokens + j % block_tokens;
+    attend(
+        out,
+        q,
+        (k_cache, v_cache),
+        row,
+        pos,
+        (n_heads, n_kv, head_dim),
+    );
+}
+
+/// The body of `attention` and `paged_attention`: key `j` of the sequence is row `row(j)` of
+/// the caches.
+fn attend(
+    out: &mut [f32],
+    q: &[f32],
+    (k_cache, v_cache): (&[f32], &[f32]),
+    row: impl Fn(usize) -> usize + Sync,
+    pos: usize,
+    (n_heads, n_kv, head_dim): (usize, usize, usize),
+) {
     let (q_dim, kv_dim) = (n_heads * head_dim, n_kv * head_dim);
     let group = n_heads / n_kv;
     let scale = 1.0 / (head_dim as f32).sqrt();
@@ -222,12 +264,12 @@ pub fn attention(
             let kv_off = (h / group) * head_dim;
             let n_keys = pos + t + 1;
             let mut scores: Vec<f32> = (0..n_keys)
-                .map(|j| dot(q, &k_cache[j * kv_dim + kv_off..][..head_dim]) * scale)
+                .map(|j| dot(q, &k_cache[row(j) * kv_dim + kv_off..][..head_dim]) * scale)
                 .collect();
             softmax(&mut scores);
             out.fill(0.0);
             for (j, s) in scores.iter().enumerate() {
-                let v = &v_cache[j * kv_dim + kv_off..][..head_dim];
+                let v = &v_cache[row(j) * kv_dim + kv_off..][..head_dim];
                 for (o, v) in out.iter_mut().zip(v) {
                     *o += s * v;
                 }

@@ -5,7 +5,7 @@
 //! differences from Hugging Face's fp32 model are the order of floating-point sums.
 use rayon::prelude::*;
 
-use super::{add, attention, matmul, rms_norm, rope_neox, silu_mul};
+use super::{add, matmul, paged_attention, rms_norm, rope_neox, silu_mul};
 use crate::config::Config;
 use crate::gguf::Gguf;
 use crate::quant::dequantize_to_vec;
@@ -26,6 +26,54 @@ struct Layer {
     w_down: Vec<f32>,
 }
 
+/// The KV cache the forward pass writes and reads: per layer, K and V rows of `kv_dim` in
+/// blocks of `block_tokens` positions. Position `p` of a sequence lives in block
+/// `table[p / block_tokens]` of its block table, so many sequences share one cache (the batch
+/// engine's paged KV cache) and a lone sequence owns one (`CpuModel::forward`). The storage
+/// grows to the highest block written: a large pool costs only the memory it uses.
+#[derive(Default)]
+pub struct KvCache {
+    block_tokens: usize,
+    kv_dim: usize,
+    /// Per layer, `[blocks, block_tokens, kv_dim]`.
+    k: Vec<Vec<f32>>,
+    v: Vec<Vec<f32>>,
+}
+
+impl KvCache {
+    pub fn new(cfg: &Config, block_tokens: usize) -> KvCache {
+        KvCache {
+            block_tokens,
+            kv_dim: cfg.kv_dim(),
+            k: vec![Vec::new(); cfg.n_layers],
+            v: vec![Vec::new(); cfg.n_layers],
+        }
+    }
+
+    pub fn block_tokens(&self) -> usize {
+        self.block_tokens
+    }
+
+    /// Stores layer `l`'s K and V rows (`[n, kv_dim]`) of positions `start..start + n`.
+    fn write(&mut self, l: usize, table: &[u32], start: usize, k: &[f32], v: &[f32]) {
+        let (bt, dim) = (self.block_tokens, self.kv_dim);
+        for (i, (k, v)) in k.chunks_exact(dim).zip(v.chunks_exact(dim)).enumerate() {
+            let p = start + i;
+            let block = table[p / bt] as usize;
+            let at = (block * bt + p % bt) * dim;
+            for (cache, row) in [(&mut self.k[l], k), (&mut self.v[l], v)] {
+                if cache.len() < at + dim {
+                    cache.resize((block + 1) * bt * dim, 0.0);
+                }
+                cache[at..at + dim].copy_from_slice(row);
+            }
+        }
+    }
+}
+
+/// `forward`'s blocks: as many as the context needs, in order; a power of two of positions.
+const OWN_BLOCK_TOKENS: usize = 16;
+
 pub struct CpuModel {
     pub cfg: Config,
     token_embd: Vec<f32>,
@@ -33,9 +81,10 @@ pub struct CpuModel {
     output_norm: Vec<f32>,
     /// `None` when the output projection is tied to `token_embd`.
     output: Option<Vec<f32>>,
-    /// Per layer, `[positions, kv_dim]`; grows as tokens are appended, up to `max_ctx`.
-    k_cache: Vec<Vec<f32>>,
-    v_cache: Vec<Vec<f32>>,
+    /// `forward`'s own sequence: its cache, its block table (blocks 0, 1, 2, …) and its length.
+    cache: KvCache,
+    table: Vec<u32>,
+    pos: usize,
     max_ctx: usize,
 }
 
@@ -78,8 +127,9 @@ impl CpuModel {
             layers,
             output_norm: load("output_norm.weight")?,
             output,
-            k_cache: vec![Vec::new(); cfg.n_layers],
-            v_cache: vec![Vec::new(); cfg.n_layers],
+            cache: KvCache::new(&cfg, OWN_BLOCK_TOKENS),
+            table: Vec::new(),
+            pos: 0,
             max_ctx: max_ctx.min(cfg.ctx_len),
             cfg,
         })
@@ -117,7 +167,7 @@ impl CpuModel {
 
     /// Positions held in the KV cache: where the next token goes.
     pub fn pos(&self) -> usize {
-        self.k_cache[0].len() / self.cfg.kv_dim()
+        self.pos
     }
 
     /// The most positions this model's cache holds.
@@ -127,22 +177,47 @@ impl CpuModel {
 
     /// Empties the KV cache, for a new sequence.
     pub fn reset(&mut self) {
-        self.k_cache
-            .iter_mut()
-            .chain(&mut self.v_cache)
-            .for_each(Vec::clear);
+        self.pos = 0;
     }
 
     /// Runs `tokens` at the positions after the cache's end (prefill when there are many,
     /// decode when there is one) and returns the logits of the last token, or of every token
     /// (`[tokens.len(), vocab]`) when `all_logits`.
     pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
+        let blocks = (self.pos + tokens.len()).div_ceil(OWN_BLOCK_TOKENS) as u32;
+        self.table.extend(self.table.len() as u32..blocks);
+        // The cache is lent to the pass, which reads the weights through `&self`.
+        let mut cache = std::mem::take(&mut self.cache);
+        let logits = self.forward_paged(tokens, self.pos, &mut cache, &self.table, all_logits);
+        self.cache = cache;
+        let logits = logits?;
+        self.pos += tokens.len();
+        Ok(logits)
+    }
+
+    /// Runs `tokens` at positions `start..start + tokens.len()` of the sequence whose block
+    /// table is `table` in `kv` (it must cover those positions; the earlier ones are read from
+    /// it) and returns the logits as `forward` does.
+    pub fn forward_paged(
+        &self,
+        tokens: &[u32],
+        start: usize,
+        kv: &mut KvCache,
+        table: &[u32],
+        all_logits: bool,
+    ) -> Result<Vec<f32>> {
         let c = &self.cfg;
-        let (n, hidden, kv_dim, pos) = (tokens.len(), c.hidden, c.kv_dim(), self.pos());
+        let (n, hidden, kv_dim, pos) = (tokens.len(), c.hidden, c.kv_dim(), start);
         if pos + n > self.max_ctx {
             return Err(Error::Invalid(format!(
                 "{} tokens do not fit the context: {pos} + {n} > {}",
                 n, self.max_ctx
+            )));
+        }
+        if pos + n > table.len() * kv.block_tokens {
+            return Err(Error::Invalid(format!(
+                "the block table covers {} positions, not {pos} + {n}",
+                table.len() * kv.block_tokens
             )));
         }
         if let Some(&bad) = tokens.iter().find(|&&t| t as usize >= c.vocab) {
@@ -174,13 +249,14 @@ impl CpuModel {
             matmul(&mut v, &xb, &w.wv, hidden, Some(&w.bv));
             rope_neox(&mut q, hidden, pos, c.head_dim, c.rope_theta);
             rope_neox(&mut k, kv_dim, pos, c.head_dim, c.rope_theta);
-            self.k_cache[l].extend_from_slice(&k);
-            self.v_cache[l].extend_from_slice(&v);
-            attention(
+            kv.write(l, table, pos, &k, &v);
+            paged_attention(
                 &mut att,
                 &q,
-                &self.k_cache[l],
-                &self.v_cache[l],
+                &kv.k[l],
+                &kv.v[l],
+                table,
+                kv.block_tokens,
                 pos,
                 c.n_heads,
                 c.n_kv_heads,
