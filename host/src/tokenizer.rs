@@ -209,7 +209,9 @@ impl Tokenizer {
         Ok(String::from_utf8_lossy(&bytes).into_owned())
     }
 
-    fn token_bytes(&self, id: u32) -> Result<&[u8]> {
+    /// The bytes a token stands for (part of a UTF-8 character, for some): what OpenAI's
+    /// logprob entries report as `bytes`.
+    pub fn token_bytes(&self, id: u32) -> Result<&[u8]> {
         let i = id as usize;
         if i >= self.tokens.len() {
             return Err(Error::Tokenizer(format!(

@@ -34,10 +34,10 @@ pub fn main(args: Args) -> Result<()> {
         fs::remove_dir_all(&out).with_context(|| format!("removing {}", out.display()))?;
     }
 
-    let cli = cargo_executables(root, &["build", "--release", "-p", "xtask"])?
+    let cli = cargo_executables(root, &["build", "--release", "-p", "orcd-cli"])?
         .into_iter()
-        .find(|a| a.name == "xtask" && !a.test)
-        .context("cargo build printed no xtask executable")?;
+        .find(|a| a.name == "orcd" && !a.test)
+        .context("cargo build printed no orcd executable")?;
     let tests: Vec<Executable> =
         cargo_executables(root, &["test", "--release", "--workspace", "--no-run"])?
             .into_iter()

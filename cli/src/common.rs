@@ -30,7 +30,8 @@ impl ModelArgs {
         )?)
     }
 
-    pub fn load(&self) -> Result<Engine> {
+    /// What `Engine::load` and `BatchEngine::start` take from these options.
+    pub fn load_options(&self) -> LoadOptions {
         let device = match self.device.as_str() {
             "cpu" => DeviceChoice::Cpu,
             "cuda" => DeviceChoice::Cuda,
@@ -40,23 +41,31 @@ impl ModelArgs {
             "f16" => WeightFormat::F16,
             _ => WeightFormat::Native,
         };
-        let ctx = self.ctx.map(|c| c as usize);
-        let opts = LoadOptions {
+        LoadOptions {
             device,
-            ctx,
+            ctx: self.ctx.map(|c| c as usize),
             weights,
-        };
+        }
+    }
+
+    pub fn load(&self) -> Result<Engine> {
+        let opts = self.load_options();
         let engine = Engine::load_with(&self.path()?, &opts, &mut crate::fetch_model::progress())
-            .map_err(|e| match e {
-            orcd::Error::NoCudaDriver | orcd::Error::NoCudaDevice => {
-                anyhow::anyhow!("--device cuda: {e}; use --device cpu or auto")
-            }
-            e => e.into(),
-        })?;
+            .map_err(device_error)?;
         if let Some(notice) = engine.notice() {
             crate::note(notice);
         }
         Ok(engine)
+    }
+}
+
+/// A load error, said in terms of the command line where `--device cuda` found no GPU.
+pub fn device_error(e: orcd::Error) -> anyhow::Error {
+    match e {
+        orcd::Error::NoCudaDriver | orcd::Error::NoCudaDevice => {
+            anyhow::anyhow!("--device cuda: {e}; use --device cpu or auto")
+        }
+        e => e.into(),
     }
 }
 

@@ -11,8 +11,8 @@ use orcd_tests::gguf_writer::{
 
 /// The CLI that cargo built with this test or, in a GPU bundle (this executable in `tests/`),
 /// the bundle's `bin/orcd`.
-fn xtask() -> Command {
-    let built = PathBuf::from(env!("CARGO_BIN_EXE_xtask"));
+fn orcd() -> Command {
+    let built = PathBuf::from(env!("CARGO_BIN_EXE_orcd"));
     if built.exists() {
         return Command::new(built);
     }
@@ -21,7 +21,7 @@ fn xtask() -> Command {
 }
 
 fn run(args: &[&str]) -> Output {
-    xtask().args(args).output().expect("running xtask")
+    orcd().args(args).output().expect("running orcd")
 }
 
 fn text(bytes: &[u8]) -> String {
@@ -559,7 +559,7 @@ fn gpu_out_of_memory_says_what_is_needed_and_free() {
 
 /// Starts a long greedy generation on the CPU and returns it once its first text is out.
 fn start_generation(extra: &[&str]) -> (Child, Vec<u8>) {
-    let mut child = xtask()
+    let mut child = orcd()
         .args([
             "run",
             "--model",
@@ -580,7 +580,7 @@ fn start_generation(extra: &[&str]) -> (Child, Vec<u8>) {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
-        .expect("starting xtask");
+        .expect("starting orcd");
     let mut first = vec![0; 64];
     let n = child.stdout.as_mut().unwrap().read(&mut first).unwrap();
     assert!(n > 0, "no output");
@@ -691,7 +691,7 @@ fn options(help: &str) -> Vec<String> {
 #[test]
 fn inspect_does_not_copy_the_model() {
     #[allow(clippy::zombie_processes)] // reaped by wait4 below, which also gives its rusage
-    let child = xtask()
+    let child = orcd()
         .args(["inspect", "--model", &model()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())

@@ -1,4 +1,4 @@
-//! `cargo xtask bench`: load time (cold and warm page cache), prefill and decode speed on a
+//! `orcd bench`: load time (cold and warm page cache), prefill and decode speed on a
 //! fixed prompt, GPU memory, and the weight bandwidth decoding achieves.
 use std::time::Instant;
 

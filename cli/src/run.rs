@@ -1,4 +1,4 @@
-//! `cargo xtask run`: generate text for a prompt, streamed to stdout.
+//! `orcd run`: generate text for a prompt, streamed to stdout.
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 

@@ -1,4 +1,4 @@
-//! `cargo xtask fetch-model [NAME]`: download, verify and cache a model of models.lock; and the
+//! `orcd fetch-model [NAME]`: download, verify and cache a model of models.lock; and the
 //! progress display of every subcommand that may fetch one.
 use std::io::IsTerminal;
 
@@ -15,7 +15,7 @@ pub struct Args {
 }
 
 pub fn main(args: Args) -> anyhow::Result<()> {
-    // Progress on stderr, the path alone on stdout: `$(cargo xtask fetch-model)` works.
+    // Progress on stderr, the path alone on stdout: `$(orcd fetch-model)` works.
     let path = orcd::models::fetch(&args.name, &mut progress())?;
     write_or_exit(
         &mut std::io::stdout(),

@@ -1,4 +1,4 @@
-//! `cargo xtask tokenize`: the token ids of texts, as the model's tokenizer encodes them.
+//! `orcd tokenize`: the token ids of texts, as the model's tokenizer encodes them.
 use std::io::{BufWriter, Write};
 use std::path::PathBuf;
 

@@ -1,4 +1,4 @@
-//! `cargo xtask logits`: the top logits after every token of a prompt, as JSON lines. The tool
+//! `orcd logits`: the top logits after every token of a prompt, as JSON lines. The tool
 //! that compares an engine's numbers with a reference in minutes.
 use anyhow::{Context, Result};
 

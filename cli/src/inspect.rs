@@ -1,4 +1,4 @@
-//! `cargo xtask inspect`: a GGUF file's summary, metadata and tensor table, then whether orcd
+//! `orcd inspect`: a GGUF file's summary, metadata and tensor table, then whether orcd
 //! can run it.
 use std::collections::BTreeMap;
 use std::io::{BufWriter, Write};
