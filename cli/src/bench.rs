@@ -23,12 +23,17 @@ matrix arithmetic of neural networks, and today they train and serve language mo
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
-    /// Prompt length in tokens.
-    #[arg(long, default_value_t = 512)]
-    prompt_len: usize,
-    /// Tokens generated per run (end-of-sequence tokens do not stop a run).
-    #[arg(long = "gen", default_value_t = 256)]
-    gen_tokens: usize,
+    /// Prompt length in tokens [512; 128 with --concurrency].
+    #[arg(long)]
+    prompt_len: Option<usize>,
+    /// Tokens generated per run (end-of-sequence tokens do not stop a run) [256; 128 with
+    /// --concurrency].
+    #[arg(long = "gen")]
+    gen_tokens: Option<usize>,
+    /// Sequences at once through the batching engine, e.g. 1,8,32,64,128,256: one round per
+    /// number, each reporting aggregate and decode-only throughput.
+    #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
+    concurrency: Vec<u64>,
     /// Timed runs, after one warm-up run.
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -38,8 +43,19 @@ pub struct Args {
 }
 
 pub fn main(a: Args) -> Result<()> {
-    if a.runs == 0 || a.gen_tokens < 2 || a.prompt_len == 0 {
+    let batched = !a.concurrency.is_empty();
+    let (prompt_len, gen_tokens) = match batched {
+        true => (a.prompt_len.unwrap_or(128), a.gen_tokens.unwrap_or(128)),
+        false => (a.prompt_len.unwrap_or(512), a.gen_tokens.unwrap_or(256)),
+    };
+    if a.runs == 0 || gen_tokens < 2 || prompt_len == 0 {
         bail!("--runs must be at least 1, --gen at least 2 and --prompt-len at least 1");
+    }
+    if batched {
+        let levels: Vec<usize> = a.concurrency.iter().map(|&n| n as usize).collect();
+        let engine = crate::bench_batch::engine(&a.model, &levels)?;
+        let prompt = prompt_ids(engine.tokenizer(), prompt_len)?;
+        return crate::bench_batch::main(&engine, &prompt, &levels, gen_tokens, a.json);
     }
     let path = a.model.path()?;
     // Cold: the file's pages dropped from the page cache first. Warm: loaded again at once.
@@ -48,10 +64,10 @@ pub fn main(a: Args) -> Result<()> {
     let mut engine = a.model.load()?;
     let warm_load_s = engine.load_s();
 
-    let prompt = prompt_ids(&engine, a.prompt_len)?;
+    let prompt = prompt_ids(engine.tokenizer(), prompt_len)?;
     let opts = GenerateOptions {
         sampling: SamplingParams::greedy(),
-        max_tokens: a.gen_tokens,
+        max_tokens: gen_tokens,
         ignore_eos: true,
         ..GenerateOptions::default()
     };
@@ -70,8 +86,8 @@ pub fn main(a: Args) -> Result<()> {
         "model": path.display().to_string(),
         "device": engine.device(),
         "weights": a.model.weights,
-        "prompt_len": a.prompt_len,
-        "gen": a.gen_tokens,
+        "prompt_len": prompt_len,
+        "gen": gen_tokens,
         "runs": a.runs,
         "decode_tok_per_s": { "mean": mean(&decode), "min": min(&decode), "max": max(&decode) },
         "prefill_tok_per_s": { "mean": mean(&prefill), "min": min(&prefill), "max": max(&prefill) },
@@ -97,14 +113,14 @@ pub fn main(a: Args) -> Result<()> {
         min(&decode),
         max(&decode),
         a.runs,
-        a.gen_tokens
+        gen_tokens
     );
     println!(
         "prefill          {:.0} tok/s (min {:.0}, max {:.0}) for {} tokens",
         mean(&prefill),
         min(&prefill),
         max(&prefill),
-        a.prompt_len
+        prompt_len
     );
     println!("first token      {:.2} ms", mean(&ttft) * 1e3);
     println!("load             {cold_load_s:.2} s cold, {warm_load_s:.2} s warm");
@@ -120,8 +136,8 @@ pub fn main(a: Args) -> Result<()> {
 }
 
 /// `len` token ids of the fixed prompt text.
-fn prompt_ids(engine: &Engine, len: usize) -> Result<Vec<u32>> {
-    let ids = engine.tokenizer().encode(PROMPT_TEXT)?;
+fn prompt_ids(tokenizer: &orcd::tokenizer::Tokenizer, len: usize) -> Result<Vec<u32>> {
+    let ids = tokenizer.encode(PROMPT_TEXT)?;
     Ok(ids.iter().copied().cycle().take(len).collect())
 }
 

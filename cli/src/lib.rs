@@ -8,6 +8,7 @@ use tracing_subscriber::EnvFilter;
 use tracing_subscriber::filter::LevelFilter;
 
 mod bench;
+mod bench_batch;
 mod bench_serve;
 mod common;
 mod fetch_model;

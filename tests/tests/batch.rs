@@ -38,7 +38,7 @@ fn engine(opts: BatchOptions) -> BatchEngine {
     BatchEngine::with_backend(Box::new(backend), tokenizer(), &opts).expect("starting")
 }
 
-fn greedy(prompt: &[u32], max_tokens: usize) -> Request {
+pub(super) fn greedy(prompt: &[u32], max_tokens: usize) -> Request {
     Request {
         prompt: prompt.to_vec(),
         sampling: Sampling {
@@ -55,7 +55,7 @@ fn greedy(prompt: &[u32], max_tokens: usize) -> Request {
 }
 
 /// Short prompts of different lengths: the reference prompts' and two of raw text.
-fn prompts() -> Vec<Vec<u32>> {
+pub(super) fn prompts() -> Vec<Vec<u32>> {
     let tok = tokenizer();
     let mut p: Vec<Vec<u32>> = ref_prompts().into_iter().map(|p| p.ids).collect();
     for text in ["def fibonacci(n):", "The three primary colours are"] {
@@ -65,7 +65,7 @@ fn prompts() -> Vec<Vec<u32>> {
 }
 
 /// Everything a request's stream carried.
-struct Outcome {
+pub(super) struct Outcome {
     ids: Vec<u32>,
     /// The text of every event, `Done`'s included.
     text: String,
@@ -76,7 +76,7 @@ struct Outcome {
     usage: Usage,
 }
 
-fn collect(mut h: RequestHandle) -> Outcome {
+pub(super) fn collect(mut h: RequestHandle) -> Outcome {
     let (mut ids, mut text, mut pieces, mut logprobs) = (vec![], String::new(), vec![], vec![]);
     loop {
         match h
@@ -116,7 +116,7 @@ fn collect(mut h: RequestHandle) -> Outcome {
 }
 
 /// Polls the engine's status until `done` holds (panics after a minute).
-fn wait_for(e: &BatchEngine, done: impl Fn(&EngineStatus) -> bool) -> EngineStatus {
+pub(super) fn wait_for(e: &BatchEngine, done: impl Fn(&EngineStatus) -> bool) -> EngineStatus {
     let t0 = Instant::now();
     loop {
         let st = e.status();
@@ -129,14 +129,14 @@ fn wait_for(e: &BatchEngine, done: impl Fn(&EngineStatus) -> bool) -> EngineStat
 }
 
 /// Each prompt alone, one after another.
-fn alone(e: &BatchEngine, reqs: &[Request]) -> Vec<Vec<u32>> {
+pub(super) fn alone(e: &BatchEngine, reqs: &[Request]) -> Vec<Vec<u32>> {
     reqs.iter()
         .map(|r| collect(e.submit(r.clone()).unwrap()).ids)
         .collect()
 }
 
 /// All prompts at once.
-fn together(e: &BatchEngine, reqs: &[Request]) -> Vec<Vec<u32>> {
+pub(super) fn together(e: &BatchEngine, reqs: &[Request]) -> Vec<Vec<u32>> {
     let handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
     handles.into_iter().map(|h| collect(h).ids).collect()
 }

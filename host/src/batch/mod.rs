@@ -16,6 +16,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::cpu::model::CpuModel;
+use crate::cuda::Device;
+use crate::cuda::batch::CudaBatch;
+use crate::cuda::model::CudaModel;
 use crate::engine::{DEFAULT_CTX, DeviceChoice, LoadOptions, open_with_tokenizer};
 use crate::gguf::Gguf;
 use crate::sampling::SamplingParams;
@@ -392,10 +395,15 @@ fn load_backend(
     ctx: usize,
     opts: &BatchOptions,
 ) -> Result<Box<dyn Backend>> {
-    if load.device == DeviceChoice::Cuda {
-        return Err(Error::Invalid(
-            "the batch engine has no CUDA backend yet".into(),
-        ));
+    let gpu = match load.device {
+        DeviceChoice::Cpu => None,
+        DeviceChoice::Cuda => Some(Device::open(0)?),
+        DeviceChoice::Auto => Device::open(0).ok(),
+    };
+    if let Some(dev) = gpu {
+        let model = CudaModel::load(dev, g, ctx, load.weights, &mut |_| {})?;
+        let default_tokens = model.max_ctx() * opts.max_running;
+        return Ok(Box::new(CudaBatch::new(model, opts.kv_tokens, default_tokens)?));
     }
     let model = Arc::new(CpuModel::load(g, ctx)?);
     let kv_tokens = opts.kv_tokens.unwrap_or(model.max_ctx() * opts.max_running);

@@ -1,11 +1,13 @@
 //! The batching engine's GPU backend: each step's rows (decode tokens and prefill chunks of
 //! many sequences) in one batched forward pass over a paged KV cache, then each sampling row's
-//! next token: greedy rows by an arg-max on the GPU, the others from their logits.
+//! next token, every row with its own parameters, in one launch of the batched sampler.
 use cudarc::driver::CudaSlice;
 
 use super::model::{CudaModel, MAX_BATCH, StepInputs};
 use super::paged::{AttentionItem, PagedKv};
-use crate::batch::{Backend, Row, RowOutput, SampleSpec, sample_row};
+use super::sample_rows::{RowSamplerInputs, RowSampling};
+use crate::batch::backend::{Backend, Row, RowOutput, SampleSpec};
+use crate::batch::cpu::logprobs;
 use crate::{Error, Result};
 
 /// Tokens of a KV block.
@@ -19,9 +21,10 @@ pub struct CudaBatch {
     kv: Vec<PagedKv>,
     blocks: usize,
     step: StepInputs,
-    /// The rows whose logits a step computes, and their arg-max.
+    /// The rows whose logits a step computes, and the tokens sampled from them.
     sample_rows: CudaSlice<u32>,
-    best: CudaSlice<u32>,
+    next: CudaSlice<u32>,
+    sampler: RowSamplerInputs,
 }
 
 impl CudaBatch {
@@ -59,7 +62,8 @@ impl CudaBatch {
         let step = model.step_inputs(blocks + MAX_BATCH, BLOCK_TOKENS)?;
         Ok(CudaBatch {
             sample_rows: dev.zeros(MAX_BATCH)?,
-            best: dev.zeros(MAX_BATCH)?,
+            next: dev.zeros(MAX_BATCH)?,
+            sampler: RowSamplerInputs::default(),
             kv,
             blocks,
             step,
@@ -118,36 +122,66 @@ impl CudaBatch {
         let dev = self.model.device();
         dev.copy_to(&mut self.sample_rows, &sampled)?;
         self.model.logits_of_rows(&self.sample_rows, m)?;
-        let logits = self.model.logits();
-        let dev = self.model.device();
-        dev.argmax_rows(&mut self.best, logits, m, vocab)?;
-        let best = dev.download(&self.best.slice(..m))?;
-        let specs = rows.iter().filter_map(|r| r.sample.as_ref());
-        specs
-            .zip(best)
+        let specs: Vec<&SampleSpec> = rows.iter().filter_map(|r| r.sample.as_ref()).collect();
+        // Log-probabilities are of the raw logits: those rows are read before the sampler
+        // penalises them in place.
+        let (dev, logits) = self.model.logits_mut();
+        let raw = specs
+            .iter()
             .enumerate()
-            .map(|(i, (spec, best))| {
-                if is_plain_greedy(spec) {
-                    return Ok(RowOutput {
-                        token: best,
-                        logprob: None,
-                    });
-                }
-                let mut row = dev.download(&logits.slice(i * vocab..(i + 1) * vocab))?;
-                Ok(sample_row(&mut row, spec))
+            .filter(|(_, s)| s.logprobs.is_some())
+            .map(|(i, _)| Ok((i, dev.download(&logits.slice(i * vocab..(i + 1) * vocab))?)))
+            .collect::<Result<Vec<_>>>()?;
+        let params: Vec<RowSampling> = specs.iter().map(|s| row_sampling(s)).collect();
+        dev.sample_rows(&mut self.next, logits, vocab, &params, &mut self.sampler)?;
+        let tokens = dev.download(&self.next.slice(..m))?;
+        let mut out: Vec<RowOutput> = tokens
+            .into_iter()
+            .map(|token| RowOutput {
+                token,
+                logprob: None,
             })
-            .collect()
+            .collect();
+        for (i, raw) in raw {
+            let n = specs[i].logprobs.unwrap_or(0);
+            out[i].logprob = Some(logprobs(&raw, out[i].token, n));
+        }
+        Ok(out)
     }
 }
 
-/// Whether a row's token is the arg-max of its raw logits: greedy, no penalty, no logprobs.
-fn is_plain_greedy(spec: &SampleSpec) -> bool {
-    let (s, p) = (spec.sampling, &spec.sampling.params);
-    p.temperature == 0.0
-        && p.repeat_penalty == 1.0
-        && s.frequency_penalty == 0.0
-        && s.presence_penalty == 0.0
-        && spec.logprobs.is_none()
+/// A row's sampling as the batched sampler takes it, with its penalties as `batch::cpu::
+/// sample_row` applies them: the repetition penalty on the distinct ids among the last
+/// `repeat_last_n` of prompt and output, then `count * frequency + presence` subtracted from
+/// the ids of the output.
+fn row_sampling(s: &SampleSpec) -> RowSampling {
+    let p = &s.sampling.params;
+    let (f, pr) = (s.sampling.frequency_penalty, s.sampling.presence_penalty);
+    let mut pen: std::collections::BTreeMap<u32, (f32, f32)> = Default::default();
+    if p.repeat_penalty != 1.0 {
+        let window = &s.history[s.history.len().saturating_sub(p.repeat_last_n)..];
+        for &id in window {
+            pen.insert(id, (p.repeat_penalty, 0.0));
+        }
+    }
+    if f != 0.0 || pr != 0.0 {
+        let mut counts: std::collections::BTreeMap<u32, usize> = Default::default();
+        for &id in &s.history[s.prompt_len..] {
+            *counts.entry(id).or_default() += 1;
+        }
+        for (id, n) in counts {
+            pen.entry(id).or_insert((1.0, 0.0)).1 = n as f32 * f + pr;
+        }
+    }
+    RowSampling {
+        temperature: p.temperature,
+        top_k: p.top_k.min(u32::MAX as usize) as u32,
+        top_p: p.top_p,
+        min_p: p.min_p,
+        seed: p.seed,
+        draw: s.draw,
+        penalties: pen.into_iter().map(|(id, (scale, sub))| (id, scale, sub)).collect(),
+    }
 }
 
 impl Backend for CudaBatch {

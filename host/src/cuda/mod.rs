@@ -16,6 +16,7 @@ mod attention;
 pub mod decode;
 mod matmul;
 pub mod model;
+pub mod batch;
 pub mod paged;
 pub mod sample_rows;
 mod sampling;
