@@ -98,7 +98,7 @@ pub struct TokenLogprob {
 pub enum FinishReason {
     /// An end-of-sequence or stop token, or a stop string.
     Stop,
-    /// `max_tokens` reached, or the context is full.
+    /// `max_tokens` reached, or the context (or the whole KV pool, if smaller) is full.
     Length,
     Cancelled,
 }
@@ -152,6 +152,7 @@ impl CancelHandle {
 
 /// A submitted request: its events (usable from sync code with `blocking_recv`, from async
 /// code with `recv().await`) and its cancel handle. Dropping the receiver cancels it too.
+/// The stream ends without `Done` or `Error` only if the engine thread died (a panic).
 pub struct RequestHandle {
     pub events: UnboundedReceiver<SeqEvent>,
     pub cancel: CancelHandle,
@@ -402,6 +403,18 @@ fn load_backend(
     Ok(Box::new(cpu::CpuBackend::new(model, kv_tokens)))
 }
 
+/// Closes the engine when its thread ends, even by a panic: `submit` refuses from then on and
+/// the queued requests' streams end.
+struct Exit<'a>(&'a Shared);
+
+impl Drop for Exit<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.shutdown = true;
+        st.inbox.clear();
+    }
+}
+
 /// The engine thread: takes in requests, runs steps while there is work, sleeps while there is
 /// none, and ends once shut down with nothing left.
 fn engine_thread(
@@ -411,6 +424,7 @@ fn engine_thread(
     max_running: usize,
     step_tokens: usize,
 ) {
+    let _exit = Exit(shared);
     let mut sched = Scheduler::new(tokenizer, &*backend, max_running, step_tokens);
     loop {
         {
