@@ -377,11 +377,15 @@ fn full_queue_long_prompts_and_shutdown_are_refused() {
         ),
         other => panic!("expected Invalid, got {:?}", other.err()),
     }
-    e.shutdown();
+    // Shut down: new requests are refused, those already in go on to their end.
+    let last = small.submit(greedy(&p[1], 2)).unwrap();
+    small.shutdown();
     assert!(matches!(
-        e.submit(greedy(&p[1], 1)),
+        small.submit(greedy(&p[1], 1)),
         Err(SubmitError::ShuttingDown)
     ));
+    let last = collect(last);
+    assert_eq!((last.reason, last.ids.len()), (FinishReason::Length, 2));
 }
 
 /// A stand-in for the model, for the scheduler alone: its "KV cache" holds the token at each

@@ -26,7 +26,7 @@ pub mod backend;
 pub mod cpu;
 pub mod kv;
 mod scheduler;
-pub mod stop;
+mod stop;
 
 use backend::Backend;
 use scheduler::{Pending, Scheduler};
@@ -78,7 +78,8 @@ pub struct Request {
     /// `ignore_eos`); not part of the output.
     pub stop_ids: Vec<u32>,
     /// Strings that end the request when the decoded output contains one (matched across token
-    /// boundaries); neither the stop string nor anything after it is emitted.
+    /// boundaries); neither the stop string nor anything after it is emitted. The token that
+    /// completes one is still sent, with the text before the stop string.
     pub stop_strings: Vec<String>,
     pub ignore_eos: bool,
     /// `Some(n)`: each token event carries the chosen token's log-probability and the `n`

@@ -66,7 +66,7 @@ impl<'t> Seq<'t> {
             submitted: p.submitted,
             first_token: None,
             decoder: tok.stream(),
-            stop: StopText::new(p.req.stop_strings.clone()),
+            stop: StopText::new(std::mem::take(&mut p.req.stop_strings)),
             stop_string: false,
             end: None,
             req: p.req,

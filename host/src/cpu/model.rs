@@ -31,6 +31,7 @@ struct Layer {
 /// `table[p / block_tokens]` of its block table, so many sequences share one cache (the batch
 /// engine's paged KV cache) and a lone sequence owns one (`CpuModel::forward`). The storage
 /// grows to the highest block written: a large pool costs only the memory it uses.
+/// (`Default`: an empty stand-in, so that `CpuModel::forward` can lend its cache out.)
 #[derive(Default)]
 pub struct KvCache {
     block_tokens: usize,
