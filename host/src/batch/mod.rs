@@ -109,7 +109,7 @@ pub enum FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// From `submit` to the first token event.
+    /// From `submit` to the first token event (to `Done` when there is none).
     pub ttft: Duration,
     /// From `submit` to `Done`.
     pub total: Duration,
@@ -450,5 +450,21 @@ fn engine_thread(
         for (events, event) in last {
             let _ = events.send(event);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The server shares the engine between tasks and moves handles into them.
+    #[test]
+    fn handles_cross_threads() {
+        fn shared<T: Send + Sync + Clone>() {}
+        fn sent<T: Send>() {}
+        shared::<BatchEngine>();
+        shared::<CancelHandle>();
+        sent::<RequestHandle>();
+        sent::<cpu::CpuBackend>();
     }
 }

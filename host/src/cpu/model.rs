@@ -72,7 +72,7 @@ impl KvCache {
     }
 }
 
-/// `forward`'s blocks: as many as the context needs, in order; a power of two of positions.
+/// Positions per block of `forward`'s own cache (it takes blocks 0, 1, 2, … as it grows).
 const OWN_BLOCK_TOKENS: usize = 16;
 
 pub struct CpuModel {
