@@ -279,6 +279,7 @@ mod tests {
             kv_blocks_total: 16,
             kv_block_tokens: 16,
             steps: 9,
+            preemptions: 0,
         };
         let text = m.render(Some(&status));
         for line in [
