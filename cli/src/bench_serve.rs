@@ -69,9 +69,9 @@ pub fn main(a: Args) -> Result<()> {
     let mut results = Vec::new();
     for &n in &a.clients {
         let r = run(&agent, &url, &model, &a, n);
-        if !a.json && !crate::quiet() {
+        if !a.json {
             if results.is_empty() {
-                eprintln!(
+                println!(
                     "{:>7} {:>8} {:>6} {:>12} {:>10} {:>10} {:>9} {:>9}",
                     "clients",
                     "requests",
@@ -83,12 +83,13 @@ pub fn main(a: Args) -> Result<()> {
                     "ITL p99"
                 );
             }
-            let ms = |v: &Value| format!("{:.1} ms", v.as_f64().unwrap_or(f64::NAN));
+            let ms = |v: &Value| v.as_f64().map_or("-".into(), |x| format!("{x:.1} ms"));
+            let n = |v: &Value| v.as_u64().unwrap_or(0);
             println!(
                 "{:>7} {:>8} {:>6} {:>12.1} {:>10} {:>10} {:>9} {:>9}",
-                n,
-                r["requests"],
-                r["errors"],
+                n(&r["clients"]),
+                n(&r["requests"]),
+                n(&r["errors"]),
                 r["output_tok_per_s"].as_f64().unwrap_or(0.0),
                 ms(&r["ttft_ms"]["p50"]),
                 ms(&r["ttft_ms"]["p99"]),

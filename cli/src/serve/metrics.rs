@@ -181,6 +181,12 @@ impl Metrics {
                 "Forward steps run.",
                 s.steps,
             );
+            counter(
+                &mut out,
+                "orcd_preemptions_total",
+                "Requests sent back to the queue because the KV pool ran out.",
+                s.preemptions,
+            );
         }
         let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
         counter(
@@ -279,7 +285,7 @@ mod tests {
             kv_blocks_total: 16,
             kv_block_tokens: 16,
             steps: 9,
-            preemptions: 0,
+            preemptions: 3,
         };
         let text = m.render(Some(&status));
         for line in [
@@ -292,6 +298,7 @@ mod tests {
             "orcd_kv_blocks_used 4",
             "orcd_kv_usage_ratio 0.25",
             "orcd_engine_steps_total 9",
+            "orcd_preemptions_total 3",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
         }

@@ -480,6 +480,11 @@ fn max_tokens(
         .param("max_tokens")
         .code("context_length_exceeded")),
         (Some(n), _) => Ok(n),
+        (None, _) if room == 0 => Err(ApiError::bad_request(format!(
+            "the prompt has {prompt} tokens and fills the context ({ctx}): no room for an answer"
+        ))
+        .param(param)
+        .code("context_length_exceeded")),
         (None, Api::Chat) => Ok(room),
         (None, Api::Completions) => Ok(room.min(16)),
     }
@@ -923,6 +928,8 @@ mod tests {
                 && e.message.contains("10 tokens")
                 && e.message.contains("holds 100")
         );
+        let e = max_tokens(Api::Chat, 100, None, 100).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages"));
         let e = max_tokens(Api::Completions, 101, None, 100).unwrap_err();
         assert_eq!(
             e.message,
