@@ -33,7 +33,10 @@ pub fn main(
         let r = run(engine, prompt, n, gen_tokens)?;
         let st = engine.status();
         if st.kv_blocks_used != 0 {
-            bail!("after {n} sequences the KV pool still holds {} blocks", st.kv_blocks_used);
+            bail!(
+                "after {n} sequences the KV pool still holds {} blocks",
+                st.kv_blocks_used
+            );
         }
         report(&r, prompt.len(), gen_tokens, engine, json);
     }
@@ -126,7 +129,12 @@ fn report(r: &Round, prompt_len: usize, gen_tokens: usize, engine: &BatchEngine,
     // Decode only: from the moment every sequence has its first token (all prompts are in)
     // to the end, the tokens that came in that span, as llama-batched-bench's S_TG counts.
     let all_started = r.times.iter().map(|t| t[0]).fold(0.0, f64::max);
-    let decode_tokens = r.times.iter().flatten().filter(|&&t| t > all_started).count();
+    let decode_tokens = r
+        .times
+        .iter()
+        .flatten()
+        .filter(|&&t| t > all_started)
+        .count();
     let decode_s = r.wall_s - all_started;
     // A sequence's gaps between tokens after its first: each is one engine step it was in.
     let mut gaps: Vec<f64> = r
@@ -176,5 +184,9 @@ pub fn engine(model: &crate::common::ModelArgs, levels: &[usize]) -> Result<Batc
         max_queue: most,
         ..BatchOptions::default()
     };
-    Ok(BatchEngine::start(&model.path()?, &model.load_options(), &opts)?)
+    Ok(BatchEngine::start(
+        &model.path()?,
+        &model.load_options(),
+        &opts,
+    )?)
 }

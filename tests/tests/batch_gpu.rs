@@ -72,7 +72,10 @@ fn teacher_forced(format: WeightFormat) -> (usize, usize, usize, usize) {
             })
             .collect();
         let out = b.step(&rows).unwrap();
-        let live = refs.iter().enumerate().filter(|(_, r)| step < r.generated.len());
+        let live = refs
+            .iter()
+            .enumerate()
+            .filter(|(_, r)| step < r.generated.len());
         for ((i, _), o) in live.zip(out) {
             got[i].push(o.token);
         }
@@ -184,7 +187,12 @@ fn greedy_tokens_are_engine_generates_where_the_reference_is_clear() {
         let clear = (0..n).take_while(|&i| r.margin(i) >= CLEAR).count();
         println!("{}: {clear} clear positions of {n}", r.kind);
         assert_eq!(batch[..clear], r.generated[..clear], "batch, {}", r.kind);
-        assert_eq!(want[..clear], r.generated[..clear], "Engine::generate, {}", r.kind);
+        assert_eq!(
+            want[..clear],
+            r.generated[..clear],
+            "Engine::generate, {}",
+            r.kind
+        );
     }
     assert_eq!(e.status().kv_blocks_used, 0);
 }

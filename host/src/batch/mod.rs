@@ -405,7 +405,11 @@ fn load_backend(
     if let Some(dev) = gpu {
         let model = CudaModel::load(dev, g, ctx, load.weights, &mut |_| {})?;
         let default_tokens = model.max_ctx() * opts.max_running;
-        return Ok(Box::new(CudaBatch::new(model, opts.kv_tokens, default_tokens)?));
+        return Ok(Box::new(CudaBatch::new(
+            model,
+            opts.kv_tokens,
+            default_tokens,
+        )?));
     }
     let model = Arc::new(CpuModel::load(g, ctx)?);
     let kv_tokens = opts.kv_tokens.unwrap_or(model.max_ctx() * opts.max_running);

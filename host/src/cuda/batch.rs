@@ -180,7 +180,10 @@ fn row_sampling(s: &SampleSpec) -> RowSampling {
         min_p: p.min_p,
         seed: p.seed,
         draw: s.draw,
-        penalties: pen.into_iter().map(|(id, (scale, sub))| (id, scale, sub)).collect(),
+        penalties: pen
+            .into_iter()
+            .map(|(id, (scale, sub))| (id, scale, sub))
+            .collect(),
     }
 }
 

@@ -200,11 +200,21 @@ fn gather_rows_copies_the_rows_asked_for() {
     x[4 * n + 5] = f32::NAN;
     let pick = [5u32, 3, 0, 4, 3];
     let mut g = dev.zeros::<f32>(pick.len() * n).unwrap();
-    dev.gather_rows(&mut g, &dev.upload(&x).unwrap(), &dev.upload(&pick).unwrap(), pick.len(), n)
-        .unwrap();
+    dev.gather_rows(
+        &mut g,
+        &dev.upload(&x).unwrap(),
+        &dev.upload(&pick).unwrap(),
+        pick.len(),
+        n,
+    )
+    .unwrap();
     let gathered = dev.download(&g).unwrap();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (i, &r) in pick.iter().enumerate() {
-        assert_eq!(bits(&gathered[i * n..][..n]), bits(&x[r as usize * n..][..n]), "row {r}");
+        assert_eq!(
+            bits(&gathered[i * n..][..n]),
+            bits(&x[r as usize * n..][..n]),
+            "row {r}"
+        );
     }
 }
