@@ -50,10 +50,12 @@ struct Row {
 
 impl Row {
     /// The CPU's `(l - max) / T`: the softmax's input, and the order after top-k.
+    #[inline(always)]
     fn scaled(&self, l: f32) -> f32 {
         (l - self.max) / self.temperature
     }
 
+    #[inline(always)]
     fn key(&self, l: f32, order: Order) -> u32 {
         match order {
             Order::Logits => key(l),
@@ -63,6 +65,7 @@ impl Row {
 
     /// Whether `l` (id `i`) is a candidate of `p` in `order` (and of top-k's prefix), with
     /// its weight when it is.
+    #[inline(always)]
     fn candidate(&self, l: f32, i: u32, p: Prefix, order: Order) -> Option<(u32, f32)> {
         let in_prefix = |k: u32, p: Prefix| k >= KEY_MIN && (k > p.k || (k == p.k && i <= p.i));
         let k = self.key(l, order);
@@ -73,6 +76,7 @@ impl Row {
 
     /// The count and weight of the candidates of `p` whose key is at least `t` and, if their
     /// key is `t`, whose id is at most `last` (all of them with `last = u32::MAX`).
+    #[inline(always)]
     fn sum(&self, p: Prefix, order: Order, t: u32, last: u32) -> (f32, f32) {
         let (mut count, mut weight) = (0.0f32, 0.0f32);
         let mut i = thread();
@@ -91,6 +95,7 @@ impl Row {
     }
 
     /// The smallest id of `p`'s candidates of key `k`.
+    #[inline(always)]
     fn first_id(&self, p: Prefix, order: Order, k: u32) -> u32 {
         let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
         let mut i = thread();
@@ -106,6 +111,7 @@ impl Row {
 
     /// The prefix of `p`'s candidates in `order` that ends at the first one at which their
     /// running count (`by_count`) or weight reaches `target`.
+    #[inline(always)]
     fn cut(&self, p: Prefix, order: Order, target: f32, by_count: bool) -> Prefix {
         let reached = |s: (f32, f32)| (if by_count { s.0 } else { s.1 }) >= target;
         // The largest key whose candidates at or above it reach the target.

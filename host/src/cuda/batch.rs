@@ -1,7 +1,13 @@
 //! The batching engine's GPU backend: each step's rows (decode tokens and prefill chunks of
 //! many sequences) in one batched forward pass over a paged KV cache, then each sampling row's
 //! next token, every row with its own parameters, in one launch of the batched sampler.
-use cudarc::driver::CudaSlice;
+//!
+//! A step of decode rows alone replays a CUDA graph, one per bucket of row counts (powers of
+//! two): every per-row input (tokens, positions, cache slots, block tables, sampling
+//! parameters) is in device buffers the graph reads, and the rows past the step's are padding
+//! that writes to a block of its own.
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::model::{CudaModel, MAX_BATCH, StepInputs};
 use super::paged::{AttentionItem, PagedKv};
@@ -17,9 +23,11 @@ const HEADROOM: usize = 1 << 30;
 
 pub struct CudaBatch {
     model: CudaModel,
-    /// One paged cache per layer.
+    /// One paged cache per layer: `blocks` for the pool and one more, the padding's.
     kv: Vec<PagedKv>,
     blocks: usize,
+    /// Decode-only steps as CUDA graphs: (bucket, the sampler inputs' generation, graph).
+    graphs: Vec<(usize, u64, Graph)>,
     step: StepInputs,
     /// The rows whose logits a step computes, and the tokens sampled from them.
     sample_rows: CudaSlice<u32>,
@@ -55,12 +63,13 @@ impl CudaBatch {
         }
         let dev = model.device();
         let kv = (0..c.n_layers)
-            .map(|_| dev.paged_kv(blocks * BLOCK_TOKENS, c.kv_dim()))
+            .map(|_| dev.paged_kv((blocks + 1) * BLOCK_TOKENS, c.kv_dim()))
             .collect::<Result<Vec<_>>>()?;
         // Tables of the sequences of a step: each block is in at most one, plus a partly
         // filled last block each.
-        let step = model.step_inputs(blocks + MAX_BATCH, BLOCK_TOKENS)?;
+        let step = model.step_inputs(blocks + MAX_BATCH + 1, BLOCK_TOKENS)?;
         Ok(CudaBatch {
+            graphs: Vec::new(),
             sample_rows: dev.zeros(MAX_BATCH)?,
             next: dev.zeros(MAX_BATCH)?,
             sampler: RowSamplerInputs::default(),
@@ -71,8 +80,68 @@ impl CudaBatch {
         })
     }
 
-    /// One forward pass over `rows` (their tokens `MAX_BATCH` at most in all).
+    /// One forward pass over `rows` (their tokens `MAX_BATCH` at most in all), and the next
+    /// token of each row that samples.
     fn run(&mut self, rows: &[&Row]) -> Result<Vec<RowOutput>> {
+        let specs: Vec<&SampleSpec> = rows.iter().filter_map(|r| r.sample.as_ref()).collect();
+        let params: Vec<RowSampling> = specs.iter().map(|s| row_sampling(s)).collect();
+        // Decode rows alone replay a graph, unless a row wants the raw logits' probabilities
+        // (the sampler penalises the logits in place inside the graph).
+        let decode = rows.iter().all(|r| r.tokens.len() == 1 && r.sample.is_some());
+        if decode && specs.iter().all(|s| s.logprobs.is_none()) {
+            let bucket = rows.len().next_power_of_two();
+            self.upload(rows, bucket)?;
+            let mut padded = params;
+            padded.resize(bucket, RowSampling::default());
+            self.sampler.upload(self.model.device(), &padded)?;
+            self.replay(bucket)?;
+            let tokens = self.model.device().download(&self.next.slice(..rows.len()))?;
+            return Ok(tokens
+                .into_iter()
+                .map(|token| RowOutput {
+                    token,
+                    logprob: None,
+                })
+                .collect());
+        }
+
+        let (n, m) = self.upload(rows, 0)?;
+        self.model.forward_rows(&mut self.kv, &self.step, n)?;
+        if m == 0 {
+            return Ok(Vec::new());
+        }
+        let vocab = self.model.cfg.vocab;
+        self.model.logits_of_rows(&self.sample_rows, m)?;
+        // Log-probabilities are of the raw logits: those rows are read before the sampler
+        // penalises them in place.
+        let (dev, logits) = self.model.logits_mut();
+        let raw = specs
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.logprobs.is_some())
+            .map(|(i, _)| Ok((i, dev.download(&logits.slice(i * vocab..(i + 1) * vocab))?)))
+            .collect::<Result<Vec<_>>>()?;
+        dev.sample_rows(&mut self.next, logits, vocab, &params, &mut self.sampler)?;
+        let tokens = dev.download(&self.next.slice(..m))?;
+        let mut out: Vec<RowOutput> = tokens
+            .into_iter()
+            .map(|token| RowOutput {
+                token,
+                logprob: None,
+            })
+            .collect();
+        for (i, raw) in raw {
+            let n = specs[i].logprobs.unwrap_or(0);
+            out[i].logprob = Some(logprobs(&raw, out[i].token, n));
+        }
+        Ok(out)
+    }
+
+    /// Writes the step's per-row inputs to the device: tokens, positions, cache slots, the
+    /// attention's items, the block tables and the rows to sample; with `pad_to` rows of
+    /// padding after the real ones up to that many (token 0 at position 0 of the padding's
+    /// own block, sampled). Returns the rows fed and the rows sampled.
+    fn upload(&mut self, rows: &[&Row], pad_to: usize) -> Result<(usize, usize)> {
         let bt = BLOCK_TOKENS;
         let (mut ids, mut positions, mut slots) = (vec![], vec![], vec![]);
         let (mut items, mut tables, mut sampled) = (vec![], vec![], vec![]);
@@ -104,7 +173,15 @@ impl CudaBatch {
                 "token id {bad} is outside the vocabulary ({vocab})"
             )));
         }
-        let n = ids.len();
+        let pad_table = tables.len();
+        tables.push(self.blocks as u32);
+        while ids.len() < pad_to {
+            items.extend(AttentionItem::split(ids.len(), 1, 0, pad_table));
+            sampled.push(ids.len() as u32);
+            ids.push(0);
+            positions.push(0);
+            slots.push((self.blocks * bt) as u32);
+        }
         let s = &mut self.step;
         let dev = self.model.device();
         dev.copy_to(&mut s.ids, &ids)?;
@@ -112,43 +189,47 @@ impl CudaBatch {
         dev.copy_to(&mut s.slots, &slots)?;
         dev.copy_to(&mut s.items, &AttentionItem::flatten(&items))?;
         dev.copy_to(&mut s.tables, &tables)?;
-        s.n_items = items.len();
-        self.model.forward_rows(&mut self.kv, &self.step, n)?;
-        if sampled.is_empty() {
-            return Ok(Vec::new());
-        }
-
-        let m = sampled.len();
-        let dev = self.model.device();
         dev.copy_to(&mut self.sample_rows, &sampled)?;
-        self.model.logits_of_rows(&self.sample_rows, m)?;
-        let specs: Vec<&SampleSpec> = rows.iter().filter_map(|r| r.sample.as_ref()).collect();
-        // Log-probabilities are of the raw logits: those rows are read before the sampler
-        // penalises them in place.
-        let (dev, logits) = self.model.logits_mut();
-        let raw = specs
-            .iter()
-            .enumerate()
-            .filter(|(_, s)| s.logprobs.is_some())
-            .map(|(i, _)| Ok((i, dev.download(&logits.slice(i * vocab..(i + 1) * vocab))?)))
-            .collect::<Result<Vec<_>>>()?;
-        let params: Vec<RowSampling> = specs.iter().map(|s| row_sampling(s)).collect();
-        dev.sample_rows(&mut self.next, logits, vocab, &params, &mut self.sampler)?;
-        let tokens = dev.download(&self.next.slice(..m))?;
-        let mut out: Vec<RowOutput> = tokens
-            .into_iter()
-            .map(|token| RowOutput {
-                token,
-                logprob: None,
-            })
-            .collect();
-        for (i, raw) in raw {
-            let n = specs[i].logprobs.unwrap_or(0);
-            out[i].logprob = Some(logprobs(&raw, out[i].token, n));
+        s.n_items = items.len();
+        Ok((ids.len(), sampled.len()))
+    }
+
+    /// Runs the decode step of `bucket` rows whose inputs are uploaded: the graph captured for
+    /// the bucket (and the sampler's buffers as they are), captured now if there is none.
+    fn replay(&mut self, bucket: usize) -> Result<()> {
+        let generation = self.sampler.generation;
+        self.graphs.retain(|g| g.1 == generation);
+        if let Some(g) = self.graphs.iter().find(|g| g.0 == bucket) {
+            return Ok(g.2.0.launch()?);
         }
-        Ok(out)
+        let stream = self.model.device().stream().clone();
+        stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+        let captured = self.decode_step(bucket);
+        let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
+        captured?;
+        let graph =
+            graph.ok_or_else(|| Error::Cuda("capturing the decode step gave no graph".into()))?;
+        graph.launch()?;
+        self.graphs.push((bucket, generation, Graph(graph)));
+        Ok(())
+    }
+
+    /// The launches of a decode step of `n` rows, all reading their inputs from the device.
+    fn decode_step(&mut self, n: usize) -> Result<()> {
+        let vocab = self.model.cfg.vocab;
+        self.model.forward_rows(&mut self.kv, &self.step, n)?;
+        self.model.logits_of_rows(&self.sample_rows, n)?;
+        let (dev, logits) = self.model.logits_mut();
+        dev.sample_rows_launch(&mut self.next, logits, vocab, n, &self.sampler)
     }
 }
+
+/// A captured decode step.
+struct Graph(CudaGraph);
+
+// SAFETY: a CUDA graph may be launched from any thread (cudarc binds the context first); the
+// backend that owns it is used by one thread at a time (`&mut self`), so it is never shared.
+unsafe impl Send for Graph {}
 
 /// A row's sampling as the batched sampler takes it, with its penalties as `batch::cpu::
 /// sample_row` applies them: the repetition penalty on the distinct ids among the last

@@ -24,46 +24,33 @@ pub struct RowSampling {
 }
 
 /// The device buffers `sample_rows` reads its rows' parameters and penalties from; they grow
-/// when a batch needs more.
+/// when a batch needs more, and `generation` counts the times they moved (a CUDA graph that
+/// captured a launch reads the old addresses).
 #[derive(Default)]
 pub struct RowSamplerInputs {
     params: Option<CudaSlice<u32>>,
     ids: Option<CudaSlice<u32>>,
     scale: Option<CudaSlice<f32>>,
     sub: Option<CudaSlice<f32>>,
+    pub generation: u64,
 }
 
-/// `buf` with room for `len` values (at least one), reallocated if it has less.
+/// `buf` with room for `len` values (at least one), reallocated if it has less; true if it was.
 fn room<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(
     dev: &Device,
     buf: &mut Option<CudaSlice<T>>,
     len: usize,
-) -> Result<()> {
+) -> Result<bool> {
     if buf.as_ref().is_none_or(|b| b.len() < len.max(1)) {
         *buf = Some(dev.zeros(len.max(1).next_power_of_two())?);
+        return Ok(true);
     }
-    Ok(())
+    Ok(false)
 }
 
-impl Device {
-    /// `out[r]`: the next token of row `r` of `logits = [rows.len(), vocab]` (penalised in
-    /// place) as `sampling::sample` picks it for the same penalised logits and parameters
-    /// (its twin), but for last-bit differences at a boundary.
-    pub fn sample_rows(
-        &self,
-        out: &mut impl DevicePtrMut<u32>,
-        logits: &mut impl DevicePtrMut<f32>,
-        vocab: usize,
-        rows: &[RowSampling],
-        inputs: &mut RowSamplerInputs,
-    ) -> Result<()> {
-        check(
-            !rows.is_empty()
-                && vocab > 0
-                && out.len() >= rows.len()
-                && logits.len() >= rows.len() * vocab,
-            "sample_rows: shapes",
-        )?;
+impl RowSamplerInputs {
+    /// Writes `rows`' parameters and penalties to the device, for the next `sample_rows_launch`.
+    pub fn upload(&mut self, dev: &Device, rows: &[RowSampling]) -> Result<()> {
         let mut params = Vec::with_capacity(rows.len() * PARAM_WORDS);
         let (mut ids, mut scale, mut sub) = (vec![], vec![], vec![]);
         for r in rows {
@@ -85,24 +72,64 @@ impl Device {
                 sub.push(d);
             }
         }
-        room(self, &mut inputs.params, params.len())?;
-        room(self, &mut inputs.ids, ids.len())?;
-        room(self, &mut inputs.scale, scale.len())?;
-        room(self, &mut inputs.sub, sub.len())?;
-        let (Some(pd), Some(idd), Some(sd), Some(dd)) = (
-            &mut inputs.params,
-            &mut inputs.ids,
-            &mut inputs.scale,
-            &mut inputs.sub,
-        ) else {
+        let moved = room(dev, &mut self.params, params.len())?
+            | room(dev, &mut self.ids, ids.len())?
+            | room(dev, &mut self.scale, scale.len())?
+            | room(dev, &mut self.sub, sub.len())?;
+        self.generation += u64::from(moved);
+        let (Some(pd), Some(idd), Some(sd), Some(dd)) =
+            (&mut self.params, &mut self.ids, &mut self.scale, &mut self.sub)
+        else {
             unreachable!("room allocated every buffer")
         };
-        self.copy_to(pd, &params)?;
-        self.copy_to(idd, &ids)?;
-        self.copy_to(sd, &scale)?;
-        self.copy_to(dd, &sub)?;
+        dev.copy_to(pd, &params)?;
+        dev.copy_to(idd, &ids)?;
+        dev.copy_to(sd, &scale)?;
+        dev.copy_to(dd, &sub)
+    }
+}
+
+impl Device {
+    /// `out[r]`: the next token of row `r` of `logits = [rows.len(), vocab]` (penalised in
+    /// place) as `sampling::sample` picks it for the same penalised logits and parameters
+    /// (its twin), but for last-bit differences at a boundary.
+    pub fn sample_rows(
+        &self,
+        out: &mut impl DevicePtrMut<u32>,
+        logits: &mut impl DevicePtrMut<f32>,
+        vocab: usize,
+        rows: &[RowSampling],
+        inputs: &mut RowSamplerInputs,
+    ) -> Result<()> {
+        inputs.upload(self, rows)?;
+        self.sample_rows_launch(out, logits, vocab, rows.len(), inputs)
+    }
+
+    /// The launch of `sample_rows` over `n_rows` rows whose parameters `inputs` holds already
+    /// (`RowSamplerInputs::upload`): what a CUDA graph captures.
+    pub fn sample_rows_launch(
+        &self,
+        out: &mut impl DevicePtrMut<u32>,
+        logits: &mut impl DevicePtrMut<f32>,
+        vocab: usize,
+        n_rows: usize,
+        inputs: &RowSamplerInputs,
+    ) -> Result<()> {
+        let (Some(pd), Some(idd), Some(sd), Some(dd)) =
+            (&inputs.params, &inputs.ids, &inputs.scale, &inputs.sub)
+        else {
+            return Err(crate::Error::Invalid("sample_rows: no rows uploaded".into()));
+        };
+        check(
+            n_rows > 0
+                && vocab > 0
+                && out.len() >= n_rows
+                && logits.len() >= n_rows * vocab
+                && pd.len() >= n_rows * PARAM_WORDS,
+            "sample_rows: shapes",
+        )?;
         let cfg = LaunchConfig {
-            grid_dim: (u32_of(rows.len(), "sample_rows: rows")?, 1, 1),
+            grid_dim: (u32_of(n_rows, "sample_rows: rows")?, 1, 1),
             // 512: the kernel's registers do not fit 1024 threads.
             block_dim: (512, 1, 1),
             shared_mem_bytes: 64 * 4,
@@ -116,16 +143,10 @@ impl Device {
         let (sp, _s) = sd.device_ptr(s);
         let (dp, _d) = dd.device_ptr(s);
         let mut l = self.launch("sample_rows");
-        l.arg(&op)
-            .arg(&lp)
-            .arg(&n)
-            .arg(&pp)
-            .arg(&ip)
-            .arg(&sp)
-            .arg(&dp);
+        l.arg(&op).arg(&lp).arg(&n).arg(&pp).arg(&ip).arg(&sp).arg(&dp);
         // SAFETY: parameters (u32*, f32*, u32, const u32*, const u32*, const f32*, const f32*);
-        // each block reads its row's PARAM_WORDS words, its penalties (inside the buffers just
-        // filled) and its row of logits, and writes out[r] (checked above).
+        // each block reads its row's PARAM_WORDS words (uploaded for at least n_rows rows, their
+        // penalties inside the buffers) and its row of logits, and writes out[r] (checked).
         unsafe { l.run(cfg, false) }?;
         Ok(())
     }
