@@ -5,6 +5,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
+use orcd::batch::backend::{Backend, Row, RowOutput};
 use orcd::batch::cpu::CpuBackend;
 use orcd::batch::{
     BatchEngine, BatchOptions, EngineStatus, FinishReason, Request, RequestHandle, Sampling,
@@ -14,7 +15,7 @@ use orcd::cpu::model::{CpuModel, KvCache};
 use orcd::engine::{DeviceChoice, Engine, Event, GenerateOptions, LoadOptions};
 use orcd::sampling::SamplingParams;
 use orcd::tokenizer::Tokenizer;
-use orcd_tests::{gguf, model_path, ref_prompts};
+use orcd_tests::{Rng, gguf, model_path, ref_prompts};
 
 /// The context of these tests' engines: small, so a too-long prompt is cheap to make.
 const CTX: usize = 512;
@@ -376,9 +377,134 @@ fn full_queue_long_prompts_and_shutdown_are_refused() {
         ),
         other => panic!("expected Invalid, got {:?}", other.err()),
     }
-    e.shutdown();
+    // Shut down: new requests are refused, those already in go on to their end.
+    let last = small.submit(greedy(&p[1], 2)).unwrap();
+    small.shutdown();
     assert!(matches!(
-        e.submit(greedy(&p[1], 1)),
+        small.submit(greedy(&p[1], 1)),
         Err(SubmitError::ShuttingDown)
     ));
+    let last = collect(last);
+    assert_eq!((last.reason, last.ids.len()), (FinishReason::Length, 2));
+}
+
+/// A stand-in for the model, for the scheduler alone: its "KV cache" holds the token at each
+/// position, every row must read back exactly its sequence through its block table (a block
+/// shared by mistake, reused while still held, or not re-prefilled after a preemption fails
+/// this), and the next token is a hash of that sequence and the draw number.
+struct TokenCache {
+    slots: Vec<Option<u32>>,
+    ctx: usize,
+}
+
+const FAKE_BLOCK: usize = 16;
+
+/// The fake model's next token: one of 5000 ordinary ones.
+fn fake_next(seq: &[u32], draw: u64) -> u32 {
+    let h = seq.iter().fold(draw + 1, |h, &t| {
+        h.wrapping_mul(0x100_0000_01b3).wrapping_add(u64::from(t))
+    });
+    1000 + (h >> 20) as u32 % 5000
+}
+
+impl Backend for TokenCache {
+    fn step(&mut self, rows: &[Row]) -> orcd::Result<Vec<RowOutput>> {
+        let slot = |blocks: &[u32], p: usize| {
+            blocks[p / FAKE_BLOCK] as usize * FAKE_BLOCK + p % FAKE_BLOCK
+        };
+        let mut out = Vec::new();
+        for row in rows {
+            let end = row.start + row.tokens.len();
+            assert!(
+                row.blocks.len() * FAKE_BLOCK >= end,
+                "the block table is short"
+            );
+            for (i, &t) in row.tokens.iter().enumerate() {
+                self.slots[slot(row.blocks, row.start + i)] = Some(t);
+            }
+            if let Some(s) = &row.sample {
+                let seq: Vec<u32> = (0..end)
+                    .map(|p| self.slots[slot(row.blocks, p)].expect("a position never written"))
+                    .collect();
+                assert_eq!(seq, s.history, "the cache holds another sequence");
+                let token = fake_next(&seq, s.draw);
+                out.push(RowOutput {
+                    token,
+                    logprob: None,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    fn kv_block_tokens(&self) -> usize {
+        FAKE_BLOCK
+    }
+
+    fn kv_blocks(&self) -> usize {
+        self.slots.len() / FAKE_BLOCK
+    }
+
+    fn ctx_len(&self) -> usize {
+        self.ctx
+    }
+
+    fn device(&self) -> String {
+        "fake".into()
+    }
+}
+
+/// Many requests through a small pool, small prefill chunks and few running slots: every one
+/// gets what it would get alone, ending at `max_tokens` or where the pool (smaller than the
+/// context) is full, and the pool is empty at the end.
+#[test]
+fn the_scheduler_under_pressure_gives_each_request_its_own_tokens() {
+    let (blocks, ctx) = (6, 200);
+    let backend = TokenCache {
+        slots: vec![None; blocks * FAKE_BLOCK],
+        ctx,
+    };
+    let opts = BatchOptions {
+        max_running: 4,
+        step_tokens: 24,
+        ..BatchOptions::default()
+    };
+    let e = BatchEngine::with_backend(Box::new(backend), tokenizer(), &opts).unwrap();
+    let limit = blocks * FAKE_BLOCK;
+    let mut rng = Rng::new(3);
+    let mut uniform = |n: usize| ((rng.next_f32() + 1.0) / 2.0 * n as f32) as usize;
+    let reqs: Vec<Request> = (0..16)
+        .map(|_| {
+            let prompt: Vec<u32> = (0..1 + uniform(70))
+                .map(|_| 1000 + uniform(5000) as u32)
+                .collect();
+            greedy(&prompt, 1 + uniform(80))
+        })
+        .collect();
+    let handles: Vec<_> = reqs.iter().map(|r| e.submit(r.clone()).unwrap()).collect();
+    let (mut at_max, mut at_pool) = (0, 0);
+    for (r, h) in reqs.iter().zip(handles) {
+        let mut seq = r.prompt.clone();
+        while seq.len() - r.prompt.len() < r.max_tokens && seq.len() <= limit {
+            seq.push(fake_next(&seq, (seq.len() - r.prompt.len()) as u64));
+        }
+        let out = collect(h);
+        assert_eq!(
+            out.ids,
+            seq[r.prompt.len()..],
+            "prompt of {}",
+            r.prompt.len()
+        );
+        assert_eq!(out.reason, FinishReason::Length);
+        if out.ids.len() == r.max_tokens {
+            at_max += 1;
+        } else {
+            at_pool += 1;
+        }
+    }
+    let st = wait_for(&e, |s| s.running == 0);
+    println!("{at_max} at max_tokens, {at_pool} at the pool's end; {st:?}");
+    assert!(at_max > 0 && at_pool > 0);
+    assert!(st.preemptions > 0);
+    assert_eq!(st.kv_blocks_used, 0);
 }

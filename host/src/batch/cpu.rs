@@ -106,6 +106,50 @@ pub fn logprobs(logits: &[f32], token: u32, n: usize) -> (TokenLogprob, Vec<Toke
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::batch::Sampling;
+    use crate::sampling::SamplingParams;
+
+    /// Greedy with the given penalties, on history `[prompt.., output..]`.
+    fn pick(history: &[u32], prompt_len: usize, repeat: f32, presence: f32) -> RowOutput {
+        let sampling = Sampling {
+            params: SamplingParams {
+                repeat_penalty: repeat,
+                repeat_last_n: usize::MAX,
+                ..SamplingParams::greedy()
+            },
+            frequency_penalty: 0.0,
+            presence_penalty: presence,
+        };
+        let spec = SampleSpec {
+            sampling: &sampling,
+            draw: 0,
+            history,
+            prompt_len,
+            logprobs: Some(1),
+        };
+        sample_row(&mut [3.0, 2.9, 1.0], &spec)
+    }
+
+    #[test]
+    fn penalties_see_the_prompt_or_the_output_and_logprobs_see_neither() {
+        // Presence: the output only. Token 0 in the prompt keeps its 3.0; in the output it
+        // drops to 2.5, below token 1.
+        assert_eq!(pick(&[0, 2], 1, 1.0, 0.5).token, 0);
+        assert_eq!(pick(&[2, 0], 1, 1.0, 0.5).token, 1);
+        // Repetition: prompt and output. 3.0 / 2 = 1.5.
+        assert_eq!(pick(&[0, 2], 2, 2.0, 0.0).token, 1);
+        assert_eq!(pick(&[0, 2], 0, 2.0, 0.0).token, 1);
+        assert_eq!(pick(&[2], 1, 2.0, 0.0).token, 0);
+        // The log-probabilities are of the raw logits: token 1's, and token 0 as the best.
+        let out = pick(&[2, 0], 1, 1.0, 0.5);
+        let (chosen, top) = out.logprob.unwrap();
+        let raw = logprobs(&[3.0, 2.9, 1.0], 1, 1);
+        assert_eq!((chosen.id, top[0].id), (1, 0));
+        assert_eq!((&chosen, &top), (&raw.0, &raw.1));
+        assert!(
+            (chosen.logprob - (2.9 - (3f32.exp() + 2.9f32.exp() + 1f32.exp()).ln())).abs() < 1e-6
+        );
+    }
 
     #[test]
     fn logprobs_are_a_log_softmax_with_ties_to_the_lower_id() {

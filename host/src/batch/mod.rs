@@ -26,7 +26,7 @@ pub mod backend;
 pub mod cpu;
 pub mod kv;
 mod scheduler;
-pub mod stop;
+mod stop;
 
 use backend::Backend;
 use scheduler::{Pending, Scheduler};
@@ -78,7 +78,8 @@ pub struct Request {
     /// `ignore_eos`); not part of the output.
     pub stop_ids: Vec<u32>,
     /// Strings that end the request when the decoded output contains one (matched across token
-    /// boundaries); neither the stop string nor anything after it is emitted.
+    /// boundaries); neither the stop string nor anything after it is emitted. The token that
+    /// completes one is still sent, with the text before the stop string.
     pub stop_strings: Vec<String>,
     pub ignore_eos: bool,
     /// `Some(n)`: each token event carries the chosen token's log-probability and the `n`
@@ -98,7 +99,7 @@ pub struct TokenLogprob {
 pub enum FinishReason {
     /// An end-of-sequence or stop token, or a stop string.
     Stop,
-    /// `max_tokens` reached, or the context is full.
+    /// `max_tokens` reached, or the context (or the whole KV pool, if smaller) is full.
     Length,
     Cancelled,
 }
@@ -108,7 +109,7 @@ pub enum FinishReason {
 pub struct Usage {
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
-    /// From `submit` to the first token event.
+    /// From `submit` to the first token event (to `Done` when there is none).
     pub ttft: Duration,
     /// From `submit` to `Done`.
     pub total: Duration,
@@ -152,6 +153,7 @@ impl CancelHandle {
 
 /// A submitted request: its events (usable from sync code with `blocking_recv`, from async
 /// code with `recv().await`) and its cancel handle. Dropping the receiver cancels it too.
+/// The stream ends without `Done` or `Error` only if the engine thread died (a panic).
 pub struct RequestHandle {
     pub events: UnboundedReceiver<SeqEvent>,
     pub cancel: CancelHandle,
@@ -402,6 +404,18 @@ fn load_backend(
     Ok(Box::new(cpu::CpuBackend::new(model, kv_tokens)))
 }
 
+/// Closes the engine when its thread ends, even by a panic: `submit` refuses from then on and
+/// the queued requests' streams end.
+struct Exit<'a>(&'a Shared);
+
+impl Drop for Exit<'_> {
+    fn drop(&mut self) {
+        let mut st = self.0.lock();
+        st.shutdown = true;
+        st.inbox.clear();
+    }
+}
+
 /// The engine thread: takes in requests, runs steps while there is work, sleeps while there is
 /// none, and ends once shut down with nothing left.
 fn engine_thread(
@@ -411,6 +425,7 @@ fn engine_thread(
     max_running: usize,
     step_tokens: usize,
 ) {
+    let _exit = Exit(shared);
     let mut sched = Scheduler::new(tokenizer, &*backend, max_running, step_tokens);
     loop {
         {
@@ -435,5 +450,21 @@ fn engine_thread(
         for (events, event) in last {
             let _ = events.send(event);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The server shares the engine between tasks and moves handles into them.
+    #[test]
+    fn handles_cross_threads() {
+        fn shared<T: Send + Sync + Clone>() {}
+        fn sent<T: Send>() {}
+        shared::<BatchEngine>();
+        shared::<CancelHandle>();
+        sent::<RequestHandle>();
+        sent::<cpu::CpuBackend>();
     }
 }

@@ -66,7 +66,7 @@ impl<'t> Seq<'t> {
             submitted: p.submitted,
             first_token: None,
             decoder: tok.stream(),
-            stop: StopText::new(p.req.stop_strings.clone()),
+            stop: StopText::new(std::mem::take(&mut p.req.stop_strings)),
             stop_string: false,
             end: None,
             req: p.req,
@@ -95,8 +95,9 @@ impl<'t> Seq<'t> {
     }
 
     /// Takes the token sampled after its last: ends it on a stop token, else emits it (with the
-    /// text it releases) and ends it on a stop string, `max_tokens` or the end of the context.
-    fn accept(&mut self, out: RowOutput, tok: &Tokenizer, ctx: usize) -> Option<End> {
+    /// text it releases) and ends it on a stop string, `max_tokens` or when the next step would
+    /// need more than `limit` positions.
+    fn accept(&mut self, out: RowOutput, tok: &Tokenizer, limit: usize) -> Option<End> {
         let id = out.token;
         let eos = !self.req.ignore_eos && tok.eos_ids().contains(&id);
         if eos || self.req.stop_ids.contains(&id) {
@@ -125,7 +126,7 @@ impl<'t> Seq<'t> {
             self.stop_string = true;
             return Some(End::Finished(FinishReason::Stop));
         }
-        let full = self.generated() >= self.req.max_tokens || self.tokens.len() > ctx;
+        let full = self.generated() >= self.req.max_tokens || self.tokens.len() > limit;
         full.then_some(End::Finished(FinishReason::Length))
     }
 
@@ -169,7 +170,10 @@ pub struct Scheduler<'t> {
     tok: &'t Tokenizer,
     pool: BlockPool,
     block_tokens: usize,
-    ctx: usize,
+    /// Positions a sequence may have at most: the context, or the whole pool if that is less.
+    /// No sequence outgrowing the pool, one alone can always grow and a preempted one always
+    /// gets back in once the others are done.
+    limit: usize,
     max_running: usize,
     step_tokens: usize,
     /// Admitted, oldest first.
@@ -191,7 +195,9 @@ impl<'t> Scheduler<'t> {
             tok,
             pool: BlockPool::new(backend.kv_blocks()),
             block_tokens: backend.kv_block_tokens(),
-            ctx: backend.ctx_len(),
+            limit: backend
+                .ctx_len()
+                .min(backend.kv_blocks() * backend.kv_block_tokens()),
             max_running,
             step_tokens,
             running: Vec::new(),
@@ -268,20 +274,15 @@ impl<'t> Scheduler<'t> {
     }
 
     /// Gives running sequence `i` the blocks for `n` more positions, preempting the most recently
-    /// admitted sequences as needed; false when `i` itself had to go (preempted, or ended with
-    /// `Length` when even the whole pool cannot hold it).
+    /// admitted sequences as needed; false when that was `i` itself.
     fn grow(&mut self, i: usize, n: usize) -> bool {
         let s = &self.running[i];
         let need = (s.computed + n)
             .div_ceil(self.block_tokens)
             .saturating_sub(s.blocks.len());
         while self.pool.free() < need {
-            if self.running.len() == 1 {
-                self.running[i].end = Some(End::Finished(FinishReason::Length));
-                return false;
-            }
             let last = self.running.len() - 1;
-            self.preempt(last);
+            self.preempt_last();
             if last == i {
                 return false;
             }
@@ -290,9 +291,10 @@ impl<'t> Scheduler<'t> {
         true
     }
 
-    /// Sends running sequence `i` (the last) back to the front of the queue without its blocks.
-    fn preempt(&mut self, i: usize) {
-        let mut s = self.running.remove(i);
+    /// Sends the most recently admitted sequence back to the front of the queue, without its
+    /// blocks.
+    fn preempt_last(&mut self) {
+        let mut s = self.running.pop().expect("a running sequence");
         self.pool.release(&mut s.blocks);
         s.computed = 0;
         self.waiting.push_front(s);
@@ -341,7 +343,7 @@ impl<'t> Scheduler<'t> {
                     s.end = Some(End::Failed("the backend gave too few tokens".into()));
                     continue;
                 };
-                s.end = s.accept(out, self.tok, self.ctx);
+                s.end = s.accept(out, self.tok, self.limit);
             }
         }
     }

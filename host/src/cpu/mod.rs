@@ -388,6 +388,40 @@ mod tests {
         }
     }
 
+    /// `paged_attention` over keys scattered into blocks in any order gives `attention`'s
+    /// output over the same keys side by side, bit for bit, for a decode row and a chunk.
+    #[test]
+    fn paged_attention_is_attention_through_a_block_table() {
+        let (n_heads, n_kv, head_dim, bt) = (4, 2, 8, 4);
+        let kv_dim = n_kv * head_dim;
+        let mut next = lcg(5);
+        let mut rand = |n: usize| -> Vec<f32> {
+            (0..n)
+                .map(|_| next() as f32 / u32::MAX as f32 - 0.5)
+                .collect()
+        };
+        // 11 positions in blocks 5, 0, 3 of a pool of 6 (the rest of the pool is noise).
+        let (n, table) = (11, [5u32, 0, 3]);
+        let (k, v) = (rand(n * kv_dim), rand(n * kv_dim));
+        let (mut kp, mut vp) = (rand(6 * bt * kv_dim), rand(6 * bt * kv_dim));
+        for p in 0..n {
+            let at = (table[p / bt] as usize * bt + p % bt) * kv_dim;
+            kp[at..at + kv_dim].copy_from_slice(&k[p * kv_dim..][..kv_dim]);
+            vp[at..at + kv_dim].copy_from_slice(&v[p * kv_dim..][..kv_dim]);
+        }
+        for n_tok in [1, 4] {
+            let pos = n - n_tok;
+            let q = rand(n_tok * n_heads * head_dim);
+            let mut want = vec![0.0; q.len()];
+            attention(&mut want, &q, &k, &v, pos, n_heads, n_kv, head_dim);
+            let mut got = vec![0.0; q.len()];
+            paged_attention(
+                &mut got, &q, &kp, &vp, &table, bt, pos, n_heads, n_kv, head_dim,
+            );
+            assert_eq!(got, want, "{n_tok} rows");
+        }
+    }
+
     /// `logit_bounds_q8_0` holds each row's logit within `e ± r`, reached (up to the digits'
     /// share of `r`) when every low nibble is 0 and `d·x` has one sign.
     #[test]

@@ -31,6 +31,7 @@ struct Layer {
 /// `table[p / block_tokens]` of its block table, so many sequences share one cache (the batch
 /// engine's paged KV cache) and a lone sequence owns one (`CpuModel::forward`). The storage
 /// grows to the highest block written: a large pool costs only the memory it uses.
+/// (`Default`: an empty stand-in, so that `CpuModel::forward` can lend its cache out.)
 #[derive(Default)]
 pub struct KvCache {
     block_tokens: usize,
@@ -71,7 +72,7 @@ impl KvCache {
     }
 }
 
-/// `forward`'s blocks: as many as the context needs, in order; a power of two of positions.
+/// Positions per block of `forward`'s own cache (it takes blocks 0, 1, 2, … as it grows).
 const OWN_BLOCK_TOKENS: usize = 16;
 
 pub struct CpuModel {
