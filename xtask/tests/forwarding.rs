@@ -1,18 +1,27 @@
 //! `cargo xtask` from a checkout: orcd-cli's commands and its own `gpu-bundle`, one help.
 use std::process::Command;
 
-fn help(args: &[&str]) -> String {
-    let out = Command::new(env!("CARGO_BIN_EXE_xtask"))
+/// xtask's help for `args`; `None` where the binary is not there (a GPU bundle ships only
+/// `bin/orcd`, whose commands `cli.rs` tests).
+fn help(args: &[&str]) -> Option<String> {
+    let exe = std::path::Path::new(env!("CARGO_BIN_EXE_xtask"));
+    if !exe.exists() {
+        println!("skipped: no xtask binary here");
+        return None;
+    }
+    let out = Command::new(exe)
         .args(args)
         .output()
         .expect("running xtask");
     assert_eq!(out.status.code(), Some(0), "{out:?}");
-    String::from_utf8_lossy(&out.stdout).into_owned()
+    Some(String::from_utf8_lossy(&out.stdout).into_owned())
 }
 
 #[test]
 fn every_command_is_there() {
-    let top = help(&["--help"]);
+    let Some(top) = help(&["--help"]) else {
+        return;
+    };
     let commands: Vec<&str> = top
         .split("Commands:\n")
         .nth(1)
@@ -39,9 +48,11 @@ fn every_command_is_there() {
 /// A forwarded command parses as orcd's own: its options reach orcd-cli.
 #[test]
 fn forwarded_commands_take_their_options() {
-    let run = help(&["run", "--help"]);
+    let Some(run) = help(&["run", "--help"]) else {
+        return;
+    };
     assert!(run.starts_with("Generate text for a prompt"), "{run}");
     assert!(run.contains("--repeat-penalty <REPEAT_PENALTY>"), "{run}");
-    let serve = help(&["serve", "--help"]);
+    let serve = help(&["serve", "--help"]).unwrap();
     assert!(serve.contains("--api-key <API_KEY>"), "{serve}");
 }

@@ -4,8 +4,10 @@
 //! stops a job; `GET /health` describes the worker; `POST /shutdown` drains.
 //!
 //! Errors before a job starts are HTTP statuses with the spec's body `{code, message,
-//! retriable}` and codes (`INVALID_REQUEST`); a full queue and a drain add `QUEUE_FULL` and
-//! `SHUTTING_DOWN` (503, retriable), which the spec has no codes for.
+//! retriable}` and codes (`INVALID_REQUEST`); a full queue, a drain and a model still loading
+//! add `QUEUE_FULL`, `SHUTTING_DOWN` and `LOADING` (503, retriable), which the spec has no codes
+//! for. (While the model loads, the gate in front of all routes answers first, in OpenAI's
+//! error body.)
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime};
@@ -118,7 +120,7 @@ pub async fn execute(State(s): State<Arc<Server>>, body: Body) -> Result<Respons
     }
     let engine = &s
         .ready()
-        .map_err(|e| WorkerError::busy("SHUTTING_DOWN", e.message))?
+        .map_err(|e| WorkerError::busy("LOADING", e.message))?
         .engine;
     let tok = engine.tokenizer();
     let vocab = tok.vocab_size() as i128;
@@ -300,7 +302,7 @@ pub async fn cancel(State(s): State<Arc<Server>>, body: Body) -> Result<Response
 pub async fn health(State(s): State<Arc<Server>>) -> Result<Response, WorkerError> {
     let ready = s
         .ready()
-        .map_err(|e| WorkerError::busy("SHUTTING_DOWN", e.message))?;
+        .map_err(|e| WorkerError::busy("LOADING", e.message))?;
     let engine = &ready.engine;
     let status = engine.status();
     let on_gpu = engine.device() != "cpu";
