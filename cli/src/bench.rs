@@ -23,15 +23,16 @@ matrix arithmetic of neural networks, and today they train and serve language mo
 pub struct Args {
     #[command(flatten)]
     model: ModelArgs,
-    /// Prompt length in tokens [512; 128 with --concurrency].
+    /// Prompt length in tokens (default: 512; 128 with --concurrency).
     #[arg(long)]
     prompt_len: Option<usize>,
-    /// Tokens generated per run (end-of-sequence tokens do not stop a run) [256; 128 with
-    /// --concurrency].
+    /// Tokens generated per run (end-of-sequence tokens do not stop a run) (default: 256; 128
+    /// with --concurrency).
     #[arg(long = "gen")]
     gen_tokens: Option<usize>,
     /// Sequences at once through the batching engine, e.g. 1,8,32,64,128,256: one round per
-    /// number, each reporting aggregate and decode-only throughput.
+    /// number, each reporting aggregate and decode-only throughput (default: none, one stream
+    /// through the single-sequence engine).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
     concurrency: Vec<u64>,
     /// Timed runs, after one warm-up run.

@@ -456,7 +456,7 @@ fn engine_thread(
                 st = shared.wake.wait(st).unwrap_or_else(PoisonError::into_inner);
             }
         }
-        let last = sched.step(&mut *backend);
+        let last = sched.step(&mut *backend, &mut |status| shared.lock().status = status);
         shared.lock().status = sched.status();
         // After the status, so that whoever sees a `Done` sees the blocks back in the pool.
         for (events, event) in last {

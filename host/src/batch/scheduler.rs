@@ -228,7 +228,13 @@ impl<'t> Scheduler<'t> {
     }
 
     /// Runs one step and returns the last events of the sequences that left.
-    pub fn step(&mut self, backend: &mut dyn Backend) -> Vec<LastEvent> {
+    /// `publish` hears the status once the step's blocks are allocated, before any of its
+    /// token events is sent: whoever sees a token sees its blocks in use.
+    pub fn step(
+        &mut self,
+        backend: &mut dyn Backend,
+        publish: &mut dyn FnMut(EngineStatus),
+    ) -> Vec<LastEvent> {
         for s in self.running.iter_mut().chain(&mut self.waiting) {
             if s.cancelled() {
                 s.end = Some(End::Finished(FinishReason::Cancelled));
@@ -236,6 +242,7 @@ impl<'t> Scheduler<'t> {
         }
         let mut last = self.reap();
         let plan = self.plan();
+        publish(self.status());
         if !plan.is_empty() {
             self.run(backend, &plan);
         }
