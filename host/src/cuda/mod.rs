@@ -13,10 +13,11 @@ use cudarc::driver::{
 use crate::{Error, Result};
 
 mod attention;
+pub mod batch;
 pub mod decode;
+mod gemm_rows;
 mod matmul;
 pub mod model;
-pub mod batch;
 pub mod paged;
 pub mod sample_rows;
 mod sampling;
