@@ -372,6 +372,7 @@ fn matmul_rows_speed() {
 /// against the plain product. Catches a wrong permutation of k, a row or output mapped twice
 /// or never, and a wrong decode of the partials.
 #[test]
+#[allow(clippy::needless_range_loop)]
 fn gemm_rows_mapping_emulation_matches_cpu() {
     const NT: usize = 2;
     const PER_TILE: usize = NT * 4 * 32;
