@@ -19,6 +19,7 @@
 pub mod attention;
 pub mod decode;
 pub mod elementwise;
+pub mod gemm_rows;
 pub mod matmul;
 pub mod norm;
 pub mod paged;

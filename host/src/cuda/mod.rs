@@ -15,6 +15,7 @@ use crate::{Error, Result};
 mod attention;
 pub mod batch;
 pub mod decode;
+mod gemm_rows;
 mod matmul;
 pub mod model;
 pub mod paged;

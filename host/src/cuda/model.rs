@@ -638,7 +638,7 @@ impl CudaModel {
 
         for w in &mut self.layers {
             // Attention block: q/k/v, RoPE at pos.., the cache append, causal attention.
-            qkv(dev, c, w, b, n)?;
+            qkv(dev, c, w, b, n, false)?;
             dev.rope_neox(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.pos,
@@ -672,8 +672,8 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            attn_output(dev, w, b, n, hidden)?;
-            ffn(dev, c, w, b, n)?;
+            attn_output(dev, w, b, n, hidden, false)?;
+            ffn(dev, c, w, b, n, false)?;
         }
 
         // Final norm and output projection, for the rows asked for.
@@ -725,7 +725,7 @@ impl CudaModel {
         for (w, kv) in self.layers.iter_mut().zip(kv) {
             // Attention block: q/k/v, RoPE at each row's position and the store into its cache
             // slot, attention over each sequence's blocks.
-            qkv(dev, c, w, b, n)?;
+            qkv(dev, c, w, b, n, true)?;
             dev.rope_kv_paged(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.k,
@@ -751,8 +751,8 @@ impl CudaModel {
                 c.head_dim,
                 step.block_tokens,
             )?;
-            attn_output(dev, w, b, n, hidden)?;
-            ffn(dev, c, w, b, n)?;
+            attn_output(dev, w, b, n, hidden, true)?;
+            ffn(dev, c, w, b, n, true)?;
         }
         Ok(())
     }
@@ -769,7 +769,7 @@ impl CudaModel {
             &self.output_norm,
             c.rms_eps,
         )?;
-        dev.matmul(
+        dev.matmul_rows(
             &mut view_mut(&mut b.logits, n * c.vocab),
             &view(&b.xb, n * c.hidden),
             &self.output,
@@ -812,9 +812,34 @@ pub(crate) struct StepInputs {
     pub block_tokens: usize,
 }
 
+/// `dev.matmul_rows` for the batched pass (`batched`: each row's values independent of the
+/// batch), else `dev.matmul` (the single sequence's prefill and decode).
+fn product(
+    dev: &Device,
+    batched: bool,
+    y: &mut impl DevicePtrMut<f32>,
+    x: &impl DevicePtr<f32>,
+    w: &GpuMatrix,
+    bias: Option<&CudaSlice<f32>>,
+    n: usize,
+) -> Result<()> {
+    if batched {
+        dev.matmul_rows(y, x, w, bias, n)
+    } else {
+        dev.matmul(y, x, w, bias, n)
+    }
+}
+
 /// The attention block's start for rows `..n` of `b.x`: RMSNorm, then q, k and v with their
 /// biases.
-fn qkv(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result<()> {
+fn qkv(
+    dev: &Device,
+    c: &Config,
+    w: &Layer,
+    b: &mut Buffers,
+    n: usize,
+    batched: bool,
+) -> Result<()> {
     let (hidden, kv_dim) = (c.hidden, c.kv_dim());
     dev.rms_norm(
         &mut view_mut(&mut b.xb, n * hidden),
@@ -823,21 +848,27 @@ fn qkv(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result
         c.rms_eps,
     )?;
     let xb = view(&b.xb, n * hidden);
-    dev.matmul(
+    product(
+        dev,
+        batched,
         &mut view_mut(&mut b.q, n * hidden),
         &xb,
         &w.wq,
         Some(&w.bq),
         n,
     )?;
-    dev.matmul(
+    product(
+        dev,
+        batched,
         &mut view_mut(&mut b.k, n * kv_dim),
         &xb,
         &w.wk,
         Some(&w.bk),
         n,
     )?;
-    dev.matmul(
+    product(
+        dev,
+        batched,
         &mut view_mut(&mut b.v, n * kv_dim),
         &xb,
         &w.wv,
@@ -847,8 +878,17 @@ fn qkv(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result
 }
 
 /// The attention block's end: the output projection of `b.att`, added to the residual.
-fn attn_output(dev: &Device, w: &Layer, b: &mut Buffers, n: usize, hidden: usize) -> Result<()> {
-    dev.matmul(
+fn attn_output(
+    dev: &Device,
+    w: &Layer,
+    b: &mut Buffers,
+    n: usize,
+    hidden: usize,
+    batched: bool,
+) -> Result<()> {
+    product(
+        dev,
+        batched,
         &mut view_mut(&mut b.xb, n * hidden),
         &view(&b.att, n * hidden),
         &w.wo,
@@ -862,7 +902,14 @@ fn attn_output(dev: &Device, w: &Layer, b: &mut Buffers, n: usize, hidden: usize
 }
 
 /// The feed-forward block (SwiGLU) on rows `..n` of the residual `b.x`.
-fn ffn(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result<()> {
+fn ffn(
+    dev: &Device,
+    c: &Config,
+    w: &Layer,
+    b: &mut Buffers,
+    n: usize,
+    batched: bool,
+) -> Result<()> {
     let hidden = c.hidden;
     dev.rms_norm(
         &mut view_mut(&mut b.xb, n * hidden),
@@ -871,19 +918,31 @@ fn ffn(dev: &Device, c: &Config, w: &Layer, b: &mut Buffers, n: usize) -> Result
         c.rms_eps,
     )?;
     let xb = view(&b.xb, n * hidden);
-    dev.matmul(
+    product(
+        dev,
+        batched,
         &mut view_mut(&mut b.gate, n * c.ffn),
         &xb,
         &w.w_gate,
         None,
         n,
     )?;
-    dev.matmul(&mut view_mut(&mut b.up, n * c.ffn), &xb, &w.w_up, None, n)?;
+    product(
+        dev,
+        batched,
+        &mut view_mut(&mut b.up, n * c.ffn),
+        &xb,
+        &w.w_up,
+        None,
+        n,
+    )?;
     dev.silu_mul(
         &mut view_mut(&mut b.gate, n * c.ffn),
         &view(&b.up, n * c.ffn),
     )?;
-    dev.matmul(
+    product(
+        dev,
+        batched,
         &mut view_mut(&mut b.xb, n * hidden),
         &view(&b.gate, n * c.ffn),
         &w.w_down,

@@ -20,7 +20,7 @@ fn to_f16(v: &[f32]) -> Vec<f16> {
     v.iter().copied().map(f16::from_f32).collect()
 }
 
-fn abs(v: &[f32]) -> Vec<f32> {
+pub(super) fn abs(v: &[f32]) -> Vec<f32> {
     v.iter().map(|v| v.abs()).collect()
 }
 
@@ -205,7 +205,7 @@ fn matmul_f16_unaligned_x_and_bad_shapes() {
 }
 
 /// Every weight type the engine reads.
-const TYPES: [GgmlType; 9] = GgmlType::ALL;
+pub(super) const TYPES: [GgmlType; 9] = GgmlType::ALL;
 
 /// `matmul_q` dequantizes exactly as `quant::dequantize` does, so against `cpu::matmul` on
 /// the dequantized weights the only difference is the order of the f32 sums and FMA: the
@@ -331,7 +331,7 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
 /// (attn_q/k/output, ffn_gate/up and token_embd in q5_0, attn_v and output in q8_0, ffn_down in
 /// q4_K or q6_K by layer), one at a time: the tensor, `n_in`, `n_out`, its f32 weights, and its
 /// own bias (attn_q/k/v) or a random one. Returns the types seen.
-fn each_distinct_matrix(
+pub(super) fn each_distinct_matrix(
     g: &Gguf,
     rng: &mut Rng,
     mut f: impl FnMut(&TensorInfo, &mut Rng, usize, usize, &[f32], &[f32]),
@@ -428,7 +428,7 @@ fn matmul_q_unaligned_x_and_bad_input() {
 /// A table of `n_rows` rows of `hidden` elements of `ty`: random bytes, with every block's
 /// f16 scales (d, and dmin for the K types) replaced by sane random values in ±0.1, and the
 /// plain float types filled with random finite values.
-fn random_table(ty: GgmlType, n_rows: usize, hidden: usize, rng: &mut Rng) -> Vec<u8> {
+pub(super) fn random_table(ty: GgmlType, n_rows: usize, hidden: usize, rng: &mut Rng) -> Vec<u8> {
     let n = n_rows * hidden;
     match ty {
         GgmlType::F32 => rng
@@ -718,7 +718,7 @@ fn add_matches_cpu() {
 /// (round to nearest), plus the f32 sums of both sides. On such data (the tests' random
 /// activations) the error stays well below `MMA_TOL` of sum|x·w| (measured figures are
 /// printed; the CPU emulation below gives ~5e-8, ~2e-7 with truncating MMA sums).
-const MMA_TOL: f32 = 2e-6;
+pub(super) const MMA_TOL: f32 = 2e-6;
 
 /// The worst error of the tensor-core GEMM's `got(token, output)` at the outputs `cols` (all
 /// of them, or a sample of a vocabulary-sized matrix, whose full CPU product is slow) against
@@ -726,7 +726,7 @@ const MMA_TOL: f32 = 2e-6;
 /// and over the bound `MMA_TOL·(sum|x·w| + |bias|) + 2^-35·(sum|x| + sum|w|)`, whose second
 /// term is the split's absolute error (2^-36 per product, doubled) where an operand is below
 /// f16's normal range (|v| < 2^-14); the bound holds where the second figure is <= 1.
-fn mma_err(
+pub(super) fn mma_err(
     got: impl Fn(usize, usize) -> f32,
     x: &[f32],
     w32: &[f32],

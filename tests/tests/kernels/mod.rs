@@ -4,6 +4,7 @@
 mod attention;
 mod basic;
 mod decode;
+mod gemm_rows;
 mod matmul;
 mod paged;
 mod sample_rows;
