@@ -87,7 +87,9 @@ impl CudaBatch {
         let params: Vec<RowSampling> = specs.iter().map(|s| row_sampling(s)).collect();
         // Decode rows alone replay a graph, unless a row wants the raw logits' probabilities
         // (the sampler penalises the logits in place inside the graph).
-        let decode = rows.iter().all(|r| r.tokens.len() == 1 && r.sample.is_some());
+        let decode = rows
+            .iter()
+            .all(|r| r.tokens.len() == 1 && r.sample.is_some());
         if decode && specs.iter().all(|s| s.logprobs.is_none()) {
             let bucket = rows.len().next_power_of_two();
             self.upload(rows, bucket)?;
@@ -95,7 +97,10 @@ impl CudaBatch {
             padded.resize(bucket, RowSampling::default());
             self.sampler.upload(self.model.device(), &padded)?;
             self.replay(bucket)?;
-            let tokens = self.model.device().download(&self.next.slice(..rows.len()))?;
+            let tokens = self
+                .model
+                .device()
+                .download(&self.next.slice(..rows.len()))?;
             return Ok(tokens
                 .into_iter()
                 .map(|token| RowOutput {

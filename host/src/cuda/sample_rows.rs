@@ -77,9 +77,12 @@ impl RowSamplerInputs {
             | room(dev, &mut self.scale, scale.len())?
             | room(dev, &mut self.sub, sub.len())?;
         self.generation += u64::from(moved);
-        let (Some(pd), Some(idd), Some(sd), Some(dd)) =
-            (&mut self.params, &mut self.ids, &mut self.scale, &mut self.sub)
-        else {
+        let (Some(pd), Some(idd), Some(sd), Some(dd)) = (
+            &mut self.params,
+            &mut self.ids,
+            &mut self.scale,
+            &mut self.sub,
+        ) else {
             unreachable!("room allocated every buffer")
         };
         dev.copy_to(pd, &params)?;
@@ -118,7 +121,9 @@ impl Device {
         let (Some(pd), Some(idd), Some(sd), Some(dd)) =
             (&inputs.params, &inputs.ids, &inputs.scale, &inputs.sub)
         else {
-            return Err(crate::Error::Invalid("sample_rows: no rows uploaded".into()));
+            return Err(crate::Error::Invalid(
+                "sample_rows: no rows uploaded".into(),
+            ));
         };
         check(
             n_rows > 0
@@ -143,7 +148,13 @@ impl Device {
         let (sp, _s) = sd.device_ptr(s);
         let (dp, _d) = dd.device_ptr(s);
         let mut l = self.launch("sample_rows");
-        l.arg(&op).arg(&lp).arg(&n).arg(&pp).arg(&ip).arg(&sp).arg(&dp);
+        l.arg(&op)
+            .arg(&lp)
+            .arg(&n)
+            .arg(&pp)
+            .arg(&ip)
+            .arg(&sp)
+            .arg(&dp);
         // SAFETY: parameters (u32*, f32*, u32, const u32*, const u32*, const f32*, const f32*);
         // each block reads its row's PARAM_WORDS words (uploaded for at least n_rows rows, their
         // penalties inside the buffers) and its row of logits, and writes out[r] (checked).
