@@ -5,6 +5,7 @@ use cudarc::driver::{
 };
 use half::f16;
 
+use super::kernels::{self, DevPtr, DevPtrMut};
 use super::{BLOCK, Device, allow_shared, check, u32_of};
 use crate::Result;
 use crate::pack;
@@ -331,33 +332,34 @@ impl Device {
         gate: &mut impl DevicePtrMut<f32>,
         up: &impl DevicePtr<f32>,
     ) -> Result<()> {
-        self.elementwise("silu_mul", gate, up)
+        let Some(n) = elementwise_len(gate.len(), up.len(), "silu_mul")? else {
+            return Ok(());
+        };
+        let s = self.stream();
+        let (gate, _g) = DevPtrMut::of(gate, s);
+        let (up, _u) = DevPtr::of(up, s);
+        let p = kernels::SiluMul { gate, up, n };
+        // SAFETY: it touches n elements of each.
+        unsafe { p.launch(self, kernels::SiluMul::silu_mul, one_per_element(n), false) }
     }
 
     /// `x[i] += y[i]`. Twin: `cpu::add`.
     pub fn add(&self, x: &mut impl DevicePtrMut<f32>, y: &impl DevicePtr<f32>) -> Result<()> {
-        self.elementwise("add", x, y)
-    }
-
-    /// Launches the elementwise kernel `name(a*, const b*, n)` over `a.len() == b.len()` items.
-    fn elementwise(
-        &self,
-        name: &str,
-        a: &mut impl DevicePtrMut<f32>,
-        b: &impl DevicePtr<f32>,
-    ) -> Result<()> {
-        check(a.len() == b.len(), &format!("{name}: lengths"))?;
-        if a.is_empty() {
+        let Some(n) = elementwise_len(x.len(), y.len(), "add")? else {
             return Ok(());
-        }
-        let n = u32_of(a.len(), name)?;
-        let stream = self.stream();
-        let (ap, _a) = a.device_ptr_mut(stream);
-        let (bp, _b) = b.device_ptr(stream);
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&ap).arg(&bp).arg(&n);
-        // SAFETY: both kernels take (f32*, const f32*, u32) and touch n elements of each.
-        unsafe { l.launch(one_per_element(n)) }?;
-        Ok(())
+        };
+        let s = self.stream();
+        let (x, _x) = DevPtrMut::of(x, s);
+        let (y, _y) = DevPtr::of(y, s);
+        let p = kernels::Add { x, y, n };
+        // SAFETY: it touches n elements of each.
+        unsafe { p.launch(self, kernels::Add::add, one_per_element(n), false) }
     }
+}
+
+/// The length of an elementwise kernel's two operands of `a` and `b` items (which must be
+/// equal), or None for none; `what` names the kernel in errors.
+fn elementwise_len(a: usize, b: usize, what: &str) -> Result<Option<u32>> {
+    check(a == b, &format!("{what}: lengths"))?;
+    Ok(if a == 0 { None } else { Some(u32_of(a, what)?) })
 }

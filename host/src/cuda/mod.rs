@@ -7,13 +7,15 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZeroBits, sys,
 };
 
 use crate::{Error, Result};
+use kernels::{DevPtr, DevPtrMut};
 
 mod attention;
 pub mod decode;
+mod kernels;
 mod matmul;
 pub mod model;
 mod sampling;
@@ -154,11 +156,21 @@ impl Device {
             .unwrap_or_else(|| panic!("kernel {name} is not in the PTX"))
     }
 
+    /// The function of entry point `entry`.
+    #[allow(dead_code)] // until every kernel is launched through `kernels`
+    pub(crate) fn function<K>(&self, entry: kernels::Entry<K>) -> &CudaFunction {
+        self.kernel(entry.name())
+    }
+
     /// A launch of kernel `name` on the stream, its parameters to be pushed in order.
     pub(crate) fn launch(&self, name: &str) -> Launch<'_> {
         Launch {
             dev: self,
-            f: self.kernel(name),
+            name: self
+                .kernels
+                .get_key_value(name)
+                .map(|(k, _)| k.as_str())
+                .unwrap_or_else(|| panic!("kernel {name} is not in the PTX")),
             params: Vec::new(),
         }
     }
@@ -190,52 +202,42 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: (rows, 1, 1),
             block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 32 * 4,
+            shared_mem_bytes: kernel_abi::BLOCK_SUM_BYTES,
         };
-        let (o, _o) = out.device_ptr_mut(&self.stream);
-        let (x, _x) = x.device_ptr(&self.stream);
-        let (w, _w) = w.device_ptr(&self.stream);
+        let s = &self.stream;
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let (w, _w) = DevPtr::of(w, s);
         let n = n as u32;
-        let mut l = self.stream.launch_builder(self.kernel("rms_norm"));
-        l.arg(&o).arg(&x).arg(&w).arg(&n).arg(&eps);
-        // SAFETY: the kernel's parameters are (f32*, const f32*, const f32*, u32, f32) and it
-        // touches `rows * n` elements of out and x and `n` of w, all checked above.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
-    }
-}
-
-/// A kernel launch that may overlap the kernel before it (what cudarc's `launch_builder` does,
-/// plus programmatic dependent launch): the kernel's blocks start while the one before it
-/// still runs, and load what that kernel does not write (their weights, and what earlier
-/// kernels wrote) until `wait_prior_grids` (gpu-kernels' util.rs) returns. In a CUDA graph
-/// this hides most of a launch's latency.
-pub(crate) struct Launch<'a> {
-    dev: &'a Device,
-    f: &'a CudaFunction,
-    params: Vec<*mut c_void>,
-}
-
-impl<'a> Launch<'a> {
-    /// Pushes the next parameter, which must live until the launch.
-    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
-        self.params.push(v as *const T as *mut c_void);
-        self
+        let p = kernels::RmsNorm { out, x, w, n, eps };
+        // SAFETY: it touches `rows * n` elements of out and x and `n` of w, all checked above.
+        unsafe { p.launch(self, kernels::RmsNorm::rms_norm, cfg, false) }
     }
 
-    /// Launches the kernel with `cfg`; with `overlap`, overlapping the one before it where the
-    /// device can.
+    /// Launches entry point `name` with `cfg` on the stream; with `overlap`, overlapping the
+    /// kernel before it where the device can: programmatic dependent launch, whose blocks start
+    /// while the kernel before still runs and load what that kernel does not write (their
+    /// weights, and what earlier kernels wrote) until `wait_prior_grids` (gpu-kernels'
+    /// util.rs) returns. In a CUDA graph this hides most of a launch's latency. The typed
+    /// launchers (`kernels`) call it.
     ///
     /// # Safety
-    /// The parameters must be the kernel's, in order, and every pointer valid for what the
-    /// kernel does with `cfg`. With `overlap`, its blocks may start once every block of the
-    /// kernel launched before it has called `allow_next_grid` or exited; kernels call it only
-    /// after their own `wait_prior_grids`, so all the kernels before that one have finished:
-    /// each thread must call `wait_prior_grids` before it writes memory, or reads memory that
-    /// the kernel launched just before it may write.
-    pub(crate) unsafe fn run(&mut self, cfg: LaunchConfig, overlap: bool) -> Result<()> {
-        let s = &self.dev.stream;
-        self.dev.ctx.bind_to_thread()?;
+    /// `params` must point to the kernel's parameters, in order, each valid until the call
+    /// returns, and every pointer among them valid for what the kernel does with `cfg`. With
+    /// `overlap`, its blocks may start once every block of the kernel launched before it has
+    /// called `allow_next_grid` or exited; kernels call it only after their own
+    /// `wait_prior_grids`, so all the kernels before that one have finished: each thread must
+    /// call `wait_prior_grids` before it writes memory, or reads memory that the kernel
+    /// launched just before it may write.
+    pub(crate) unsafe fn launch_raw(
+        &self,
+        name: &str,
+        params: &mut [*mut c_void],
+        cfg: LaunchConfig,
+        overlap: bool,
+    ) -> Result<()> {
+        let s = &self.stream;
+        self.ctx.bind_to_thread()?;
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -253,19 +255,46 @@ impl<'a> Launch<'a> {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(overlap && self.dev.overlap),
+            numAttrs: u32::from(overlap && self.overlap),
         };
         // SAFETY: the config and attribute outlive the call; the parameters are the kernel's
         // and live until the launch (the caller's contract); the function is of this context.
         let r = unsafe {
             sys::cuLaunchKernelEx(
                 &config,
-                self.f.cu_function(),
-                self.params.as_mut_ptr(),
+                self.kernel(name).cu_function(),
+                params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
         };
         Ok(r.result()?)
+    }
+}
+
+/// A kernel launch whose parameters are pushed in order, for the kernels not yet launched
+/// through `kernels`.
+pub(crate) struct Launch<'a> {
+    dev: &'a Device,
+    name: &'a str,
+    params: Vec<*mut c_void>,
+}
+
+impl<'a> Launch<'a> {
+    /// Pushes the next parameter, which must live until the launch.
+    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
+        self.params.push(v as *const T as *mut c_void);
+        self
+    }
+
+    /// Launches the kernel as [`Device::launch_raw`] does.
+    ///
+    /// # Safety
+    /// As [`Device::launch_raw`]'s.
+    pub(crate) unsafe fn run(&mut self, cfg: LaunchConfig, overlap: bool) -> Result<()> {
+        unsafe {
+            self.dev
+                .launch_raw(self.name, &mut self.params, cfg, overlap)
+        }
     }
 }
 
@@ -325,6 +354,18 @@ mod tests {
                 found.is_empty(),
                 "{build} kernels with local memory: {found:?}"
             );
+        }
+    }
+
+    /// Every entry point that `kernel_abi::kernels!` declares is in both PTX builds (gpu-kernels
+    /// expands its entry points from the same list). Reads the embedded PTX: no GPU needed.
+    #[test]
+    fn every_declared_kernel_is_in_the_ptx() {
+        for ptx in [crate::PTX, crate::PTX_SM90] {
+            let entries: Vec<&str> = ptx.lines().filter_map(super::entry_name).collect();
+            for name in super::kernels::ENTRIES {
+                assert!(entries.contains(name), "{name} is not in the PTX");
+            }
         }
     }
 
