@@ -10,8 +10,9 @@
 //! the format. The GEMV's body, [`gemv_units`], also serves the fused decode kernels.
 use core::arch::asm;
 
+use crate::params::{Gemm, Gemv};
 use crate::quant::{
-    Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, digit_scale, digit_sum, digits4, dp4a, top_bits,
+    Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, digit_scale, digit_sum, digits4, dp4a, id, top_bits,
 };
 use crate::util::{
     F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, fma, grid_dim,
@@ -157,7 +158,10 @@ impl<T: Float> Weights for Plain<T> {
 
     #[inline(always)]
     unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk {
-        let (w, n_chunks) = (unsafe { self.w.add(row * self.n_in) }, self.n_in as u32 / 32);
+        let (w, n_chunks) = (
+            unsafe { self.w.add(row * self.n_in) },
+            self.n_in as u32 / 32,
+        );
         core::array::from_fn(|g| {
             if VEC {
                 let k = Self::group_at(c, g as u32, n_chunks) as usize;
@@ -219,22 +223,43 @@ pub mod family {
     }
 }
 
+/// ggml type `ID` (`quant::id`), for what is built per type: `GgmlType<ID>: Format` for every
+/// type a matrix may have.
+pub(crate) struct GgmlType<const ID: u32>;
+
+/// The [`Weights`] that a matrix of a ggml type is read as.
+pub(crate) trait Format {
+    type W: Weights;
+}
+
+macro_rules! formats {
+    ($($id:ident $T:ty),*) => {
+        $(impl Format for GgmlType<{ id::$id }> {
+            type W = $T;
+        })*
+    };
+}
+
+formats!(
+    F32 Plain<f32>, F16 Plain<f16>, BF16 Plain<Bf16>, Q4_0 Packed<Q4_0>, Q5_0 Packed<Q5_0>,
+    Q8_0 Packed<Q8_0>, Q4_K Packed<Q4K>, Q5_K Packed<Q5K>, Q6_K Packed<Q6K>
+);
+
 /// `$body` with `$W` the [`Weights`] type of ggml type id `$ty`, among the types of kernel
 /// family `$family` (a constant: the other types' code is never built); traps on any other id.
 macro_rules! with_weights {
     ($family:expr, $ty:expr, $W:ident => $body:expr) => {
         with_weights!(@ $family, $ty, $W => $body;
-            F32 F32 Plain<f32>, F16 F16 Plain<f16>, BF16 BF16 Plain<Bf16>,
-            LEGACY Q4_0 Packed<Q4_0>, LEGACY Q5_0 Packed<Q5_0>, LEGACY Q8_0 Packed<Q8_0>,
-            KQUANT Q4_K Packed<Q4K>, KQUANT Q5_K Packed<Q5K>, KQUANT Q6_K Packed<Q6K>)
+            F32 F32, F16 F16, BF16 BF16, LEGACY Q4_0, LEGACY Q5_0, LEGACY Q8_0,
+            KQUANT Q4_K, KQUANT Q5_K, KQUANT Q6_K)
     };
-    (@ $family:expr, $ty:expr, $W:ident => $body:expr; $($fam:ident $id:ident $T:ty),*) => {{
-        use crate::matmul::{Bf16, Plain, family};
-        use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, id};
+    (@ $family:expr, $ty:expr, $W:ident => $body:expr; $($fam:ident $id:ident),*) => {{
+        use crate::matmul::{Format, GgmlType, family};
+        use crate::quant::id;
         let (ty, fam) = ($ty, $family);
         $(
             if family::serves(fam, family::$fam) && ty == id::$id {
-                type $W = $T;
+                type $W = <GgmlType<{ id::$id }> as Format>::W;
                 $body
             } else
         )* {
@@ -637,9 +662,32 @@ pub(crate) fn lane_chunk(split: u32, n_chunks: u32) -> u32 {
     (thread() / WARP % split * WARP + thread() % WARP).min(n_chunks - 1)
 }
 
-/// The GEMV of the entry points: `y[o] = w[o, :]·x + bias[o]`, units of two rows.
+/// The GEMV, one entry point per weight type (ggml type `TY`): `y[o] = w[o, :]·x + bias[o]`
+/// for one token; `bias` may be null. Units of two rows, `split` warps each, `32·split >=
+/// ceil(n_in / 32)` (each lane one chunk of 32 weights per row). Grid: any number of blocks
+/// (they stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per
+/// warp.
 #[inline(always)]
-unsafe fn gemv<W: Weights>(
+pub(crate) unsafe fn gemv<const TY: u32>(p: Gemv)
+where
+    GgmlType<TY>: Format,
+{
+    let Gemv {
+        y,
+        x,
+        w,
+        bias,
+        n_in,
+        n_out,
+        split,
+    } = p;
+    let w = <GgmlType<TY> as Format>::W::new(w, n_out, n_in);
+    unsafe { gemv_weights(y, x, w, bias, n_in, n_out, split) }
+}
+
+/// [`gemv`] of weights `w`.
+#[inline(always)]
+unsafe fn gemv_weights<W: Weights>(
     y: *mut f32,
     x: *const f32,
     w: W,
@@ -684,7 +732,16 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
         }
     };
     let units = n_out.div_ceil(2);
-    gemv_units::<W, (), _, VEC, false, false>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
+    gemv_units::<W, (), _, VEC, false, false>(
+        held,
+        n_chunks,
+        units,
+        split,
+        block(),
+        grid_dim(),
+        rows,
+        out,
+    );
 }
 
 /// Where the `split` warps of each GEMV unit meet: `out(unit, sums)` runs once for each unit
@@ -851,14 +908,38 @@ impl Staged {
     }
 }
 
-/// The tiled GEMM: block `b` computes the 64×64 output tile at token rows
-/// `64·(b % ceil(rows / 64))` and outputs `64·(b / ceil(rows / 64))`, in K steps of 32 staged
-/// through shared memory. Consecutive blocks share one weight tile, so each weight tile is
-/// read from DRAM about once. Where rows of x and w are 16-byte aligned (and the block has at
-/// least 2 groups of 128 threads) the tile runs on tensor cores ([`gemm_mma`]), else (or where
-/// an operand overflows f16) on the f32 loop `gemm_vec`.
+/// The tiled GEMM, one entry point per weight type (ggml type `TY`): `y[t, o] = x[t, :]·w[o, :]
+/// + bias[o]` for `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)`
+/// blocks; block: `128·(1 + T)` threads, `T` producer teams from 1 to 3 (or one group of 128,
+/// the f32 loop alone); shared: `max(17408, T·32768)` bytes.
+///
+/// Block `b` computes the 64×64 output tile at token rows `64·(b % ceil(rows / 64))` and
+/// outputs `64·(b / ceil(rows / 64))`, in K steps of 32 staged through shared memory.
+/// Consecutive blocks share one weight tile, so each weight tile is read from DRAM about once.
+/// Where rows of x and w are 16-byte aligned (and the block has at least 2 groups of 128
+/// threads) the tile runs on tensor cores ([`gemm_mma`]), else (or where an operand overflows
+/// f16) on the f32 loop `gemm_vec`.
 #[inline(always)]
-unsafe fn gemm<W: Weights>(
+pub(crate) unsafe fn gemm<const TY: u32>(p: Gemm)
+where
+    GgmlType<TY>: Format,
+{
+    let Gemm {
+        y,
+        x,
+        w,
+        bias,
+        rows,
+        n_in,
+        n_out,
+    } = p;
+    let w = <GgmlType<TY> as Format>::W::new(w, n_out, n_in);
+    unsafe { gemm_weights(y, x, w, bias, rows, n_in, n_out) }
+}
+
+/// [`gemm`] of weights `w`.
+#[inline(always)]
+unsafe fn gemm_weights<W: Weights>(
     y: *mut f32,
     x: *const f32,
     w: W,
@@ -1153,59 +1234,3 @@ unsafe fn mma_consume<W: Weights>(
     }
     finite
 }
-
-/// The two entry points of one weight format `$w`:
-///
-/// `$gemv(y, x, w, bias, n_in, n_out, split)`: `y[o] = w[o, :]·x + bias[o]` for one token;
-/// `bias` may be null. `split` warps per unit of two rows, `32·split >= ceil(n_in / 32)` (each
-/// lane one chunk of 32 weights per row). Grid: any number of blocks (they stride over the
-/// units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
-///
-/// `$gemm(y, x, w, bias, rows, n_in, n_out)`: `y[t, o] = x[t, :]·w[o, :] + bias[o]` for
-/// `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)` blocks;
-/// block: `128·(1 + T)` threads, `T` producer teams from 1 to 3; shared:
-/// `max(17408, T·32768)` bytes.
-///
-/// `w`: rows of plain floats aligned to their element size, or a packed quantized matrix
-/// (`orcd::pack`) starting 16-byte aligned.
-macro_rules! matmul_kernels {
-    ($gemv:ident, $gemm:ident, $w:ty) => {
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $gemv(
-            y: *mut f32,
-            x: *const f32,
-            w: *const u8,
-            bias: *const f32,
-            n_in: u32,
-            n_out: u32,
-            split: u32,
-        ) {
-            let w = <$w>::new(w, n_out, n_in);
-            unsafe { gemv(y, x, w, bias, n_in, n_out, split) }
-        }
-
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $gemm(
-            y: *mut f32,
-            x: *const f32,
-            w: *const u8,
-            bias: *const f32,
-            rows: u32,
-            n_in: u32,
-            n_out: u32,
-        ) {
-            let w = <$w>::new(w, n_out, n_in);
-            unsafe { gemm(y, x, w, bias, rows, n_in, n_out) }
-        }
-    };
-}
-
-matmul_kernels!(gemv_f32, gemm_f32, Plain<f32>);
-matmul_kernels!(gemv_f16, gemm_f16, Plain<f16>);
-matmul_kernels!(gemv_bf16, gemm_bf16, Plain<Bf16>);
-matmul_kernels!(gemv_q4_0, gemm_q4_0, Packed<Q4_0>);
-matmul_kernels!(gemv_q5_0, gemm_q5_0, Packed<Q5_0>);
-matmul_kernels!(gemv_q8_0, gemm_q8_0, Packed<Q8_0>);
-matmul_kernels!(gemv_q4_k, gemm_q4_k, Packed<Q4K>);
-matmul_kernels!(gemv_q5_k, gemm_q5_k, Packed<Q5K>);
-matmul_kernels!(gemv_q6_k, gemm_q6_k, Packed<Q6K>);

@@ -9,6 +9,7 @@
 //! ends the steps there: softmax, sort, top-p, min-p and the draw.
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
+use crate::params::{Argmax, Sample, SampleCandidates, SampleDev};
 use crate::util::{
     WARP, ballot, better, block, block_dim, block_sum, from_lane, shared, sync_threads, thread,
     warp_argmax,
@@ -24,8 +25,9 @@ unsafe extern "C" {
 /// Index of the largest of `n` floats; the first index wins on ties, NaN never wins
 /// (all NaN gives `u32::MAX`). Grid: one block; block: a multiple of 32 threads, at most 1024;
 /// shared: 32 f32 + 32 u32.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn argmax(out: *mut u32, x: *const f32, n: u32) {
+#[inline(always)]
+pub(crate) unsafe fn argmax(p: Argmax) {
+    let Argmax { out, x, n } = p;
     let (_, i) = scan_best(x, n);
     if thread() == 0 {
         unsafe { *out = i };
@@ -60,21 +62,22 @@ const NONE: u32 = u32::MAX;
 /// not null (then `pos[0] >= n_tokens` traps); the window is the last `last_n` of them.
 /// Grid: `ceil(n / slice)` blocks or more; block: a power of two from 64 to 1024 threads;
 /// shared: 4 * max(2208, ceil(slice / 32)) bytes.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample_candidates(
-    cand_v: *mut f32,
-    cand_i: *mut u32,
-    cap: u32,
-    logits: *mut f32,
-    n: u32,
-    slice: u32,
-    tokens: *const u32,
-    n_tokens: u32,
-    pos: *const u32,
-    last_n: u32,
-    penalty: f32,
-    k: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample_candidates(p: SampleCandidates) {
+    let SampleCandidates {
+        cand_v,
+        cand_i,
+        cap,
+        logits,
+        n,
+        slice,
+        tokens,
+        n_tokens,
+        pos,
+        last_n,
+        penalty,
+        k,
+    } = p;
     let end = if pos.is_null() {
         n_tokens
     } else {
@@ -113,19 +116,20 @@ pub unsafe extern "gpu-kernel" fn sample_candidates(
 /// `k`, and the draw `uniform(seed, step)`. `temperature` 0 is greedy: `k` must be 1 then;
 /// otherwise `k` is `top_k`, in 1..=1024.
 /// Grid: one block; block: a power of two from 64 to 1024 threads; shared: 4 * 4256 bytes.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample(
-    out: *mut u32,
-    cand_v: *const f32,
-    cand_i: *const u32,
-    slots: u32,
-    k: u32,
-    temperature: f32,
-    top_p: f32,
-    min_p: f32,
-    seed: u64,
-    step: u64,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample(p: Sample) {
+    let Sample {
+        out,
+        cand_v,
+        cand_i,
+        slots,
+        k,
+        temperature,
+        top_p,
+        min_p,
+        seed,
+        step,
+    } = p;
     let token = choose(
         cand_v,
         cand_i,
@@ -148,22 +152,23 @@ pub unsafe extern "gpu-kernel" fn sample(
 /// `tokens[pos[0] + 1]` (the next step's input; not written when that is past `n_tokens`, the
 /// buffer's length), then `pos[0]` and `step[0]` advance by one. `pos[0] >= n_tokens` traps.
 /// Grid, block and shared memory as `sample`.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample_dev(
-    out: *mut u32,
-    cand_v: *const f32,
-    cand_i: *const u32,
-    slots: u32,
-    k: u32,
-    tokens: *mut u32,
-    n_tokens: u32,
-    pos: *mut u32,
-    step: *mut u64,
-    temperature: f32,
-    top_p: f32,
-    min_p: f32,
-    seed: u64,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample_dev(p: SampleDev) {
+    let SampleDev {
+        out,
+        cand_v,
+        cand_i,
+        slots,
+        k,
+        tokens,
+        n_tokens,
+        pos,
+        step,
+        temperature,
+        top_p,
+        min_p,
+        seed,
+    } = p;
     let (p0, draw) = unsafe { (*pos, *step) };
     if p0 >= n_tokens {
         unsafe { core::arch::nvptx::trap() };
@@ -533,9 +538,8 @@ fn gather(
         // This warp's share, from its lane of the others' counts.
         let rank = from_lane(at_before, warp) + (at_votes & below).count_ones();
         let keep = above || (at && rank < need);
-        let slot = written
-            + from_lane(kept_upto - kept, warp)
-            + (ballot(keep) & below).count_ones();
+        let slot =
+            written + from_lane(kept_upto - kept, warp) + (ballot(keep) & below).count_ones();
         if keep && slot < cap {
             unsafe {
                 *out_v.add(slot as usize) = v;

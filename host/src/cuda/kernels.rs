@@ -9,8 +9,6 @@
 //! // SAFETY: what the kernel reads and writes is in bounds (the sizes checked above).
 //! unsafe { p.launch(dev, kernels::RmsNorm::rms_norm, cfg, false) }?;
 //! ```
-// Until every kernel is launched through it.
-#![allow(dead_code)]
 use std::ffi::c_void;
 use std::marker::PhantomData;
 
@@ -68,11 +66,6 @@ macro_rules! dev_ptr_common {
                 Self::from_addr(0)
             }
 
-            /// The address.
-            pub(crate) fn addr(self) -> u64 {
-                self.addr
-            }
-
             /// Whether the address is a multiple of `bytes`.
             pub(crate) fn is_aligned(self, bytes: u64) -> bool {
                 self.addr.is_multiple_of(bytes)
@@ -81,11 +74,6 @@ macro_rules! dev_ptr_common {
             /// The same address, as `U`s.
             pub(crate) fn cast<U>(self) -> $P<U> {
                 $P::from_addr(self.addr)
-            }
-
-            /// The address `n` elements on.
-            pub(crate) fn add(self, n: usize) -> Self {
-                Self::from_addr(self.addr + (n * size_of::<T>()) as u64)
             }
         }
     };
@@ -114,6 +102,11 @@ impl<T> DevPtrMut<T> {
     ) -> (Self, SyncOnDrop<'s>) {
         let (addr, guard) = buf.device_ptr_mut(stream);
         (Self::from_addr(addr), guard)
+    }
+
+    /// The address `n` elements on.
+    pub(crate) fn add(self, n: usize) -> Self {
+        Self::from_addr(self.addr + (n * size_of::<T>()) as u64)
     }
 
     /// The same address, for a kernel that only reads it.

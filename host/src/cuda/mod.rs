@@ -32,26 +32,22 @@ const BLOCK: u32 = 256;
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    kernels: HashMap<String, CudaFunction>,
+    /// Every entry point that `kernel_abi::kernels!` declares, by name.
+    kernels: HashMap<&'static str, CudaFunction>,
     /// Whether kernels may be launched to overlap the one before them (programmatic dependent
     /// launch: sm_90 and later, with the sm_90 PTX).
     overlap: bool,
 }
 
-/// The kernel that a line of PTX opens (`.visible .entry NAME(`), if it opens one.
-fn entry_name(line: &str) -> Option<&str> {
-    line.strip_prefix(".visible .entry ")?.split('(').next()
-}
-
-/// Every kernel of `ptx`, looked up once.
-fn load_kernels(module: &Arc<CudaModule>, ptx: &str) -> Result<HashMap<String, CudaFunction>> {
-    ptx.lines()
-        .filter_map(entry_name)
-        .map(|name| {
+/// Every declared entry point (`kernels::ENTRIES`), looked up once in `module`.
+fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<&'static str, CudaFunction>> {
+    kernels::ENTRIES
+        .iter()
+        .map(|&name| {
             let f = module
                 .load_function(name)
                 .map_err(|e| Error::Cuda(format!("loading kernel {name}: {e}")))?;
-            Ok((name.to_string(), f))
+            Ok((name, f))
         })
         .collect()
 }
@@ -99,7 +95,7 @@ impl Device {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
-        let kernels = load_kernels(&module, ptx)?;
+        let kernels = load_kernels(&module)?;
         Ok(Device {
             ctx,
             stream,
@@ -149,30 +145,16 @@ impl Device {
         Ok(self.ctx.new_event(None)?)
     }
 
-    /// The kernel called `name` (a bug in orcd if it is not in the PTX).
-    pub(crate) fn kernel(&self, name: &str) -> &CudaFunction {
-        self.kernels
-            .get(name)
-            .unwrap_or_else(|| panic!("kernel {name} is not in the PTX"))
-    }
-
-    /// The function of entry point `entry`.
-    #[allow(dead_code)] // until every kernel is launched through `kernels`
+    /// The function of entry point `entry` (all were loaded at `open`).
     pub(crate) fn function<K>(&self, entry: kernels::Entry<K>) -> &CudaFunction {
         self.kernel(entry.name())
     }
 
-    /// A launch of kernel `name` on the stream, its parameters to be pushed in order.
-    pub(crate) fn launch(&self, name: &str) -> Launch<'_> {
-        Launch {
-            dev: self,
-            name: self
-                .kernels
-                .get_key_value(name)
-                .map(|(k, _)| k.as_str())
-                .unwrap_or_else(|| panic!("kernel {name} is not in the PTX")),
-            params: Vec::new(),
-        }
+    /// The function of the entry point called `name`, one of `kernels::ENTRIES`.
+    fn kernel(&self, name: &str) -> &CudaFunction {
+        self.kernels
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} is not declared"))
     }
 
     /// The stream every launch goes to.
@@ -271,33 +253,6 @@ impl Device {
     }
 }
 
-/// A kernel launch whose parameters are pushed in order, for the kernels not yet launched
-/// through `kernels`.
-pub(crate) struct Launch<'a> {
-    dev: &'a Device,
-    name: &'a str,
-    params: Vec<*mut c_void>,
-}
-
-impl<'a> Launch<'a> {
-    /// Pushes the next parameter, which must live until the launch.
-    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
-        self.params.push(v as *const T as *mut c_void);
-        self
-    }
-
-    /// Launches the kernel as [`Device::launch_raw`] does.
-    ///
-    /// # Safety
-    /// As [`Device::launch_raw`]'s.
-    pub(crate) unsafe fn run(&mut self, cfg: LaunchConfig, overlap: bool) -> Result<()> {
-        unsafe {
-            self.dev
-                .launch_raw(self.name, &mut self.params, cfg, overlap)
-        }
-    }
-}
-
 /// Lets `f`'s blocks have `bytes` of dynamic shared memory where that is more than a block gets
 /// without asking (48 KiB).
 pub(crate) fn allow_shared(f: &CudaFunction, bytes: u32) -> Result<()> {
@@ -325,12 +280,17 @@ pub(crate) fn check(ok: bool, what: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// The kernel that a line of PTX opens (`.visible .entry NAME(`), if it opens one.
+    fn entry_name(line: &str) -> Option<&str> {
+        line.strip_prefix(".visible .entry ")?.split('(').next()
+    }
+
     /// The kernels of `ptx` that keep a frame in local memory (a `.local` declaration).
     fn kernels_with_local_memory(ptx: &str) -> Vec<&str> {
         let mut kernel = None;
         let mut found = Vec::new();
         for line in ptx.lines() {
-            if let Some(name) = super::entry_name(line) {
+            if let Some(name) = entry_name(line) {
                 kernel = Some(name);
             } else if line.trim_start().starts_with(".local")
                 && let Some(k) = kernel
@@ -357,15 +317,20 @@ mod tests {
         }
     }
 
-    /// Every entry point that `kernel_abi::kernels!` declares is in both PTX builds (gpu-kernels
-    /// expands its entry points from the same list). Reads the embedded PTX: no GPU needed.
+    /// The entry points of both PTX builds are those that `kernel_abi::kernels!` declares
+    /// (gpu-kernels expands its entry points from the same list): a kernel written outside the
+    /// declarations fails here. Reads the embedded PTX: no GPU needed.
     #[test]
-    fn every_declared_kernel_is_in_the_ptx() {
-        for ptx in [crate::PTX, crate::PTX_SM90] {
-            let entries: Vec<&str> = ptx.lines().filter_map(super::entry_name).collect();
-            for name in super::kernels::ENTRIES {
-                assert!(entries.contains(name), "{name} is not in the PTX");
-            }
+    fn every_kernel_is_declared_and_in_the_ptx() {
+        let mut declared = super::kernels::ENTRIES.to_vec();
+        declared.sort_unstable();
+        for (build, ptx) in [("sm_80", crate::PTX), ("sm_90", crate::PTX_SM90)] {
+            let mut entries: Vec<&str> = ptx.lines().filter_map(entry_name).collect();
+            entries.sort_unstable();
+            assert_eq!(
+                entries, declared,
+                "{build}: the PTX's entry points and the declared"
+            );
         }
     }
 
