@@ -14,6 +14,12 @@
 //! `attention_decode`) and the host picks.
 use core::arch::nvptx;
 
+// Threads of a block of either attention kernel, keys of a tile, the decode kernel's key
+// slices (its grid's y, at most) and the query rows of a prefill block.
+use kernel_abi::attention::{
+    DECODE_SHARED_BYTES, DECODE_SPLITS, PREFILL_ROWS, PREFILL_SHARED_BYTES, THREADS, TILE_KEYS,
+};
+
 use crate::matmul::Vector;
 use crate::params::{AttentionDecode, AttentionPrefill, KvAppend};
 use crate::util::{
@@ -22,17 +28,9 @@ use crate::util::{
     sync_threads, thread, wait_prior_grids, warp_max, warp_sum,
 };
 
-/// Threads of a block of either attention kernel: 8 warps.
-const THREADS: u32 = 256;
-/// Keys of one tile: one per lane (decode), one warp's share of a round (prefill).
-const TILE_KEYS: u32 = 32;
-/// Most key slices of the decode kernel (its grid's y).
-const MAX_SPLITS: u32 = 64;
-/// Keys up to which each block of the decode kernel has one tile at most (with `MAX_SPLITS`
-/// slices, as the host launches it).
-pub const ONE_TILE_KEYS: u32 = MAX_SPLITS * TILE_KEYS;
-/// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
-const PREFILL_ROWS: u32 = 64;
+/// Keys up to which each block of the decode kernel has one tile at most (with
+/// `DECODE_SPLITS` slices, as the host launches it).
+pub const ONE_TILE_KEYS: u32 = DECODE_SPLITS * TILE_KEYS;
 
 /// `for $i in 0..$n { $body }` written out, so that every index into an array is a constant and
 /// the array stays in registers (LLVM does not fully unroll loops whose bodies hold many `mma`s
@@ -332,6 +330,8 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(p: Attention
     let vs = unsafe { ks.add(32 * (D + 4)) }; // [32][D]
     let qs = unsafe { vs.add(32 * D) }; // [8][D]
     let ps = unsafe { qs.add(8 * D) }; // [8][32]
+    // All of it within the shared memory the host launches with.
+    const { assert!(4 * (32 * (D + 4) + 32 * D + 8 * D + 8 * 32) <= DECODE_SHARED_BYTES as usize) };
 
     // The kernel this one may overlap is attn_qkv, which let it start only once the kernels
     // before attn_qkv had finished. So the position (set before the step's first kernel) and
@@ -339,7 +339,7 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(p: Attention
     // first tile's keys before `p0`. Key `p0` is attn_qkv's.
     let p0 = unsafe { *pos };
     let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
-    if p0 >= max_pos || splits > MAX_SPLITS {
+    if p0 >= max_pos || splits > DECODE_SPLITS {
         unsafe { nvptx::trap() };
     }
     let n_keys = p0 + 1;
@@ -577,7 +577,12 @@ unsafe fn prefill<const D: usize, const VEC: bool>(
     // four tiles (K hi, K lo, V hi, V lo: `[round keys][D]` halves, 8192 either way).
     let parts = (128 / D) as u32;
     let round_keys = parts * TILE_KEYS;
-    let tile_bytes = (2 * (128 / D) * 32 * D) as u32;
+    let tile_bytes = const {
+        let bytes = 2 * (128 / D) * 32 * D;
+        // The round's four tiles, within the shared memory the host launches with.
+        assert!(4 * bytes <= PREFILL_SHARED_BYTES as usize);
+        bytes as u32
+    };
     let (lane, warp) = (thread() % WARP, thread() / WARP);
     let (g, c) = (lane / 4, lane % 4);
     let (rg, part) = (warp % 4, warp / 4);

@@ -23,18 +23,8 @@ use crate::util::{
     wait_prior_grids,
 };
 
-/// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
-pub mod id {
-    pub const F32: u32 = 0;
-    pub const F16: u32 = 1;
-    pub const Q4_0: u32 = 2;
-    pub const Q5_0: u32 = 6;
-    pub const Q8_0: u32 = 8;
-    pub const Q4_K: u32 = 12;
-    pub const Q5_K: u32 = 13;
-    pub const Q6_K: u32 = 14;
-    pub const BF16: u32 = 30;
-}
+/// ggml type ids, as the kernels' `ty` parameters take them (`kernel_abi::ggml`).
+pub use kernel_abi::ggml as id;
 
 /// 2^23: `f32::from_bits(MAGIC_BITS | n)` is `MAGIC + n` for `n < 2^23`, so subtracting
 /// `MAGIC + z` gives `n - z` exactly.

@@ -9,6 +9,13 @@
 //! ends the steps there: softmax, sort, top-p, min-p and the draw.
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
+// The most candidates top-k keeps (`MAX_K`), and the layout of the shared memory, in 4-byte
+// words: [0, 64) block reductions (`block_sum`, `block_best`), then scalars passed between
+// threads (`VARS`), two sets of per-warp counts (`WARP_COUNTS`), the radix histogram (`HIST`,
+// `BINS`) and (in `sample` only) the candidates (value, id: `CAND_V`, `CAND_I`). The host sizes
+// the shared memory from the same layout.
+use kernel_abi::sampling::{BINS, CAND_I, CAND_V, HIST, MAX_K, VARS, WARP_COUNTS};
+
 use crate::params::{Argmax, Sample, SampleCandidates, SampleDev};
 use crate::util::{
     WARP, ballot, better, block, block_dim, block_sum, from_lane, shared, sync_threads, thread,
@@ -34,19 +41,6 @@ pub(crate) unsafe fn argmax(p: Argmax) {
     }
 }
 
-/// The most candidates top-k keeps: the shared candidate arrays' length.
-const MAX_K: u32 = 1024;
-/// Shared memory, in 4-byte words: [0, 64) block reductions (`block_sum`, `block_best`), then
-/// scalars passed between threads, two sets of per-warp counts, the radix histogram and (in
-/// `sample` only) the candidates (value, id): 2208 words in `sample_candidates`, 4256 in
-/// `sample`, numbers the host's launch code repeats. The penalty's bitmap of a slice's bits
-/// reuses it from word 0 before any of these is live.
-const VARS: usize = 64;
-const WARP_COUNTS: usize = 96;
-const HIST: usize = 160;
-const BINS: u32 = 2048;
-const CAND_V: usize = HIST + BINS as usize;
-const CAND_I: usize = CAND_V + MAX_K as usize;
 /// Slots in VARS.
 const DIGIT: usize = 0;
 const REMAINING: usize = 1;

@@ -35,7 +35,8 @@ pub mod ggml {
 
 /// The weight families: the types one compiled kernel serves. A kernel has its hungriest type's
 /// registers and every type's code, so the decode kernels are built once per family (their
-/// entry points `<kernel>_<family>`, keyed by these ids), the packed types in two.
+/// entry points `<kernel>_<family>`, keyed by these ids), the packed types in two. A type's
+/// family is [`of`]; which types a build serves is gpu-kernels' `matmul::family::serves`.
 pub mod family {
     use crate::ggml;
 
@@ -54,7 +55,7 @@ pub mod family {
     pub const NONE: u32 = u32::MAX;
 
     /// The family of ggml type `ty` (one of the single families, never `ANY` or `PACKED`).
-    #[inline(always)]
+    #[inline]
     pub const fn of(ty: u32) -> u32 {
         match ty {
             ggml::F32 => F32,
@@ -64,12 +65,6 @@ pub mod family {
             ggml::Q4_K | ggml::Q5_K | ggml::Q6_K => KQUANT,
             _ => NONE,
         }
-    }
-
-    /// Whether a kernel built for family `built` serves the types of family `own`.
-    #[inline(always)]
-    pub const fn serves(built: u32, own: u32) -> bool {
-        built == ANY || built == own || (built == PACKED && (own == LEGACY || own == KQUANT))
     }
 }
 
@@ -85,7 +80,7 @@ pub mod gemv {
     /// The 4-byte slots of a block's reductions at the start of its shared memory, for
     /// `threads` per block: the norm's block sum (32) or the warps' meetings (2 a warp), 16-byte
     /// aligned. A staged vector follows them.
-    #[inline(always)]
+    #[inline]
     pub const fn slot_words(threads: u32) -> u32 {
         let meetings = 2 * threads / WARP;
         let words = if meetings > WARP { meetings } else { WARP };
@@ -147,6 +142,7 @@ pub mod attention {
     pub const TILE_KEYS: u32 = 32;
     /// Key slices of the decode kernel, its grid's y: the host launches this many, the kernel
     /// takes no more (up to `DECODE_SPLITS·TILE_KEYS` keys each block has one tile at most).
+    /// With 2 kv heads, 128 blocks: about one per SM of an H100.
     pub const DECODE_SPLITS: u32 = 64;
     /// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
     pub const PREFILL_ROWS: u32 = 64;

@@ -8,23 +8,14 @@ use super::kernels::{AttentionDecode, AttentionPrefill, DevPtr, DevPtrMut, KvApp
 use super::{BLOCK, Device, check, u32_of};
 use crate::{Error, Result, cpu};
 
-/// Threads per block of both attention kernels: 8 warps.
-const ATTN_THREADS: u32 = 256;
-/// Query rows per block of the prefill kernel.
-const PREFILL_ROWS: usize = 64;
-/// Shared memory of the prefill kernel: one round of K and V tiles as f16 halves.
-const PREFILL_SHARED_BYTES: u32 = 32768;
-/// Shared memory of the decode kernel, for head dims padded to 128: K `[32][132]`, V
-/// `[32][128]`, 8 queries of 128 and 8 × 32 weights, f32.
-const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4) as u32;
-/// The kernels keep a head's output dims in registers, four per lane.
-const MAX_HEAD_DIM: usize = 128;
-/// Key slices of the decode kernel (its grid's y, at most 64). With the model's 2 kv heads
-/// that is 128 blocks, about one per SM of an H100, each slice whole tiles of 32 keys: up to
-/// 2048 keys every block has one tile, at 8192 four.
-const DECODE_SPLITS: usize = 64;
-/// Query heads of a decode block, one per warp (larger kv groups take several blocks).
-const DECODE_HEADS: usize = 8;
+// The kernels' block, rows of a prefill block, shared memory, largest head dim, the decode
+// kernel's key slices (with the model's 2 kv heads, 128 blocks: about one per SM of an H100,
+// each slice whole tiles of 32 keys, so up to 2048 keys every block has one tile, at 8192
+// four) and its query heads per block.
+use kernel_abi::attention::{
+    DECODE_HEADS, DECODE_SHARED_BYTES, DECODE_SPLITS, MAX_HEAD_DIM, PREFILL_ROWS,
+    PREFILL_SHARED_BYTES, THREADS,
+};
 
 /// What the decode attention (`Device::attention_decode`) adds its key slices into, for
 /// `n_heads` query heads of `head_dim`: per head its unnormalised output and its softmax's
@@ -219,8 +210,8 @@ impl Device {
         let (v_cache, _v) = DevPtr::of(v_cache, s);
         let (pos, _p) = DevPtr::of(pos, s);
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(PREFILL_ROWS) as u32, n_heads as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            grid_dim: ((rows as u32).div_ceil(PREFILL_ROWS), n_heads as u32, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: PREFILL_SHARED_BYTES,
         };
         let p = AttentionPrefill {
@@ -271,7 +262,7 @@ impl Device {
         let (pos, _p) = DevPtr::of(pos, s);
         // The group's heads, one per warp, in as few blocks as hold them (`per_kv` as the
         // kernel computes it).
-        let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
+        let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS as usize);
         let aligned = sums.is_aligned(16) && [q, k_cache, v_cache].iter().all(|p| p.is_aligned(16));
         // Keyed by the head dim the kernel pads to.
         let entry = if hd == 64 && aligned {
@@ -280,8 +271,8 @@ impl Device {
             AttentionDecode::attention_decode
         };
         let cfg = LaunchConfig {
-            grid_dim: ((n_kv_heads * per_kv) as u32, DECODE_SPLITS as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            grid_dim: ((n_kv_heads * per_kv) as u32, DECODE_SPLITS, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: DECODE_SHARED_BYTES,
         };
         let p = AttentionDecode {
@@ -336,7 +327,7 @@ fn check_attention(
 }
 
 fn check_head_dim(head_dim: usize) -> Result<()> {
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM as usize {
         return Err(Error::Invalid(format!(
             "attention: head_dim {head_dim} is not supported (1..={MAX_HEAD_DIM})"
         )));

@@ -5,7 +5,7 @@
 //! in its own format (packed quantized chunks, or plain floats).
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
-use kernel_abi::family;
+use kernel_abi::{family, gemv};
 
 use super::kernels::{
     ArgmaxBounded, AttnOutput, AttnQkv, DevPtr, DevPtrMut, Entry, FfnGateUp, GemvResidual,
@@ -79,16 +79,15 @@ fn packed(ty: GgmlType) -> bool {
 }
 
 /// Shared memory of a GEMV kernel (these and matmul.rs's) with `threads` per block that stages
-/// a vector of `staged` (0: none): the slots of its reductions (the norm's block sum, 32 f32,
-/// and the warps' meetings, 2 f32 per warp, which also hold the arg-max's u64), 16-byte
-/// aligned, then the vector in chunks of 32 with their halves' sums (36 f32 each; gpu-kernels'
-/// `matmul::stage`, which the kernels with an RMSNorm use).
+/// a vector of `staged` (0: none): the slots of its reductions (the norm's block sum and the
+/// warps' meetings, which also hold the arg-max's u64), then the vector
+/// (`kernel_abi::gemv::shared_bytes`).
 fn gemv_shared(threads: u32, staged: usize) -> Result<u32> {
-    let slots = (threads / 32 * 2).max(32).next_multiple_of(4) * 4;
-    u32_of(
-        slots as usize + staged.div_ceil(32) * 36 * 4,
-        "GEMV shared memory",
-    )
+    // Rows longer than 32 warps' chunks never reach a GEMV kernel: no overflow.
+    Ok(gemv::shared_bytes(
+        threads,
+        u32_of(staged, "GEMV shared memory")?,
+    ))
 }
 
 /// How a GEMV kernel (these and matmul.rs's) is launched for `units` units of `split` warps.

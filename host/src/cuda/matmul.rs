@@ -2,6 +2,7 @@
 //! (gpu-kernels/src/{matmul,quant,elementwise}.rs).
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::f16;
+use kernel_abi::gemm;
 
 use super::kernels::{Add, DequantizeF16, DevPtr, DevPtrMut, Embed, Entry, Gemm, Gemv, SiluMul};
 use super::{BLOCK, Device, allow_shared, check, u32_of};
@@ -9,18 +10,8 @@ use crate::Result;
 use crate::pack;
 use crate::quant::{GgmlType, dequantize_f16};
 
-/// The GEMM kernel's output tile (tokens × outputs), its groups of 4 warps (the tensor-core
-/// loop's consumer and its teams of producers, at most `GEMM_MAX_TEAMS`), the shared memory of
-/// a team (two slots of a K step, four `[64][32]` f16 tiles each) and that of the f32 loop
-/// (for rows of x or w that are not 16-byte aligned). They must match
-/// gpu-kernels/src/matmul.rs.
-const GEMM_TILE: u32 = 64;
-const GEMM_GROUP: u32 = 128;
-const GEMM_MAX_TEAMS: u32 = 3;
-const GEMM_TEAM_SHARED_BYTES: u32 = 2 * 4 * 64 * 32 * 2;
-const GEMM_F32_SHARED_BYTES: u32 = 2 * 32 * 68 * 4;
-/// The GEMV: each lane one chunk of 32 weights per row, so rows of at most 32 warps' chunks
-/// (longer ones go to the GEMM); 2 f32 of shared memory per warp. As gpu-kernels/src/matmul.rs.
+/// The most warps of a GEMV unit: each lane takes one chunk of 32 weights per row, and a block
+/// holds at most 32 warps, so rows of at most 32 warps' chunks (longer ones go to the GEMM).
 const GEMV_MAX_SPLIT: usize = 32;
 
 /// Blocks of `BLOCK` threads for one thread per element.
@@ -223,13 +214,13 @@ impl Device {
             // kernel's registers (as compiled for this GPU): 3 at up to 128 registers a thread.
             // Below 2 groups the kernel runs the f32 loop (no tensor-core loop without a team).
             let groups =
-                (f.max_threads_per_block()? as u32 / GEMM_GROUP).clamp(1, 1 + GEMM_MAX_TEAMS);
-            let shared = GEMM_F32_SHARED_BYTES.max((groups - 1) * GEMM_TEAM_SHARED_BYTES);
+                (f.max_threads_per_block()? as u32 / gemm::GROUP).clamp(1, 1 + gemm::MAX_TEAMS);
+            let shared = gemm::shared_bytes(groups - 1);
             allow_shared(f, shared)?;
-            let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
+            let tiles = rows.div_ceil(gemm::TILE_M) * n_out.div_ceil(gemm::TILE_N);
             let cfg = LaunchConfig {
                 grid_dim: (u32_of(tiles, &format!("{what} tiles"))?, 1, 1),
-                block_dim: (groups * GEMM_GROUP, 1, 1),
+                block_dim: (groups * gemm::GROUP, 1, 1),
                 shared_mem_bytes: shared,
             };
             let p = Gemm {

@@ -1,6 +1,9 @@
 //! Launch helpers for token choice: greedy argmax and the full sampler, both leaving the token
 //! id on the device.
 use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use kernel_abi::sampling::{
+    ARGMAX_SHARED_BYTES, CANDIDATES_SHARED_WORDS, MAX_K, SAMPLE_SHARED_WORDS,
+};
 
 use super::kernels::{Argmax, DevPtr, DevPtrMut, Entry, Sample, SampleCandidates, SampleDev};
 use super::{Device, check};
@@ -13,16 +16,12 @@ use crate::{Error, Result};
 const SLICES: usize = 256;
 /// Threads per block of `sample_candidates`: two or three logits of a slice each.
 const CANDIDATES_THREADS: u32 = 256;
-/// Shared memory of `sample_candidates` and of `sample` in 4-byte words, apart from the
-/// penalty's bitmap (see the layout in gpu-kernels/src/sampling.rs).
-const CANDIDATES_SHARED_WORDS: usize = 2208;
-const SAMPLE_SHARED_WORDS: usize = 4256;
 /// Shared memory a block may have without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
 impl Device {
     /// The largest `top_k` that `sample` handles: its candidates are sorted in shared memory.
-    pub const MAX_TOP_K: usize = 1024;
+    pub const MAX_TOP_K: usize = MAX_K as usize;
     /// The slices of the vocabulary whose top k `sample_candidates` keeps.
     pub const SAMPLE_SLICES: usize = SLICES;
 
@@ -35,7 +34,7 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (1024, 1, 1),
-            shared_mem_bytes: 64 * 4,
+            shared_mem_bytes: ARGMAX_SHARED_BYTES,
         };
         let n = x.len() as u32;
         let (out, _o) = DevPtrMut::of(out, self.stream());
@@ -187,6 +186,7 @@ impl Device {
         let k = top_k_arg(p);
         let (slice, cap) = slicing(n, k as usize);
         let slots = SLICES * cap;
+        // The penalty's bitmap of the slice reuses the same words.
         let shared_bytes = 4 * CANDIDATES_SHARED_WORDS.max(slice.div_ceil(32));
         if shared_bytes > MAX_SHARED_BYTES {
             return Err(Error::Invalid(format!(
