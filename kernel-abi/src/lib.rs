@@ -36,7 +36,7 @@ pub mod ggml {
 /// The weight families: the types one compiled kernel serves. A kernel has its hungriest type's
 /// registers and every type's code, so the decode kernels are built once per family (their
 /// entry points `<kernel>_<family>`, keyed by these ids), the packed types in two. A type's
-/// family is [`of`]; which types a build serves is gpu-kernels' `matmul::family::serves`.
+/// family is [`family::of`]; which types a build serves is gpu-kernels' `matmul::family::serves`.
 pub mod family {
     use crate::ggml;
 
