@@ -212,11 +212,11 @@ pub(crate) unsafe fn kv_append(p: KvAppend) {
 
 /// Split-K ("flash-decoding") attention of one query row `q = [n_heads * head_dim]` at
 /// position `pos[0]` over keys `0..=pos[0]`, added into `sums = [n_heads * head_dim +
-/// n_heads]` f64, zero before the launch, unnormalised (see [`Sums`]): `sums[h * head_dim
-/// + d]` gets `sum_j e^(s_j - r_h) v_j[d]` and `sums[n_heads * head_dim + h]` gets `sum_j
-/// e^(s_j - r_h)`, over the keys `j` with scores `s_j = q_h·k_j * scale`, for a reference
-/// `r_h`: head h's score of key `pos[0]`, its own token's. `scale` = 1/sqrt(head_dim),
-/// head_dim <= 128.
+/// n_heads]` f64, zero before the launch, unnormalised (see [`Sums`]):
+/// `sums[h * head_dim + d]` gets `sum_j e^(s_j - r_h) v_j[d]` and `sums[n_heads * head_dim +
+/// h]` gets `sum_j e^(s_j - r_h)`, over the keys `j` with scores `s_j = q_h·k_j * scale`, for
+/// a reference `r_h`: head h's score of key `pos[0]`, its own token's. `scale` =
+/// 1/sqrt(head_dim), head_dim <= 128.
 ///
 /// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
 /// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
