@@ -9,11 +9,14 @@ fn main() {
     let manifest_dir = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").unwrap());
     let kernels = manifest_dir.join("../gpu-kernels");
     let out_dir = PathBuf::from(std::env::var_os("OUT_DIR").unwrap());
-    println!("cargo:rerun-if-changed={}", kernels.join("src").display());
-    println!(
-        "cargo:rerun-if-changed={}",
-        kernels.join("Cargo.toml").display()
-    );
+    // The kernels and the declarations of their parameters, which they build against.
+    for dir in [kernels.clone(), manifest_dir.join("../kernel-abi")] {
+        println!("cargo:rerun-if-changed={}", dir.join("src").display());
+        println!(
+            "cargo:rerun-if-changed={}",
+            dir.join("Cargo.toml").display()
+        );
+    }
 
     // sm_80 runs on every GPU from the A100 on; the sm_90 build adds Hopper's programmatic
     // dependent launch (`util::wait_prior_grids`), which PTX for sm_80 cannot name. The two

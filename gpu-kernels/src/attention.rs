@@ -14,25 +14,23 @@
 //! `attention_decode`) and the host picks.
 use core::arch::nvptx;
 
-use crate::matmul::Vector;
-use crate::util::{
-    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, exp, exp_wide, fma,
-    red_add_f64,
-    grid_dim, ldmatrix4, mma, shared, shared_addr, split_pair, store_shared2, sync_threads, thread,
-    wait_prior_grids, warp_max, warp_sum,
+// Threads of a block of either attention kernel, keys of a tile, the decode kernel's key
+// slices (its grid's y, at most) and the query rows of a prefill block.
+use kernel_abi::attention::{
+    DECODE_SHARED_BYTES, DECODE_SPLITS, PREFILL_ROWS, PREFILL_SHARED_BYTES, THREADS, TILE_KEYS,
 };
 
-/// Threads of a block of either attention kernel: 8 warps.
-const THREADS: u32 = 256;
-/// Keys of one tile: one per lane (decode), one warp's share of a round (prefill).
-const TILE_KEYS: u32 = 32;
-/// Most key slices of the decode kernel (its grid's y).
-const MAX_SPLITS: u32 = 64;
-/// Keys up to which each block of the decode kernel has one tile at most (with `MAX_SPLITS`
-/// slices, as the host launches it).
-pub const ONE_TILE_KEYS: u32 = MAX_SPLITS * TILE_KEYS;
-/// Query rows of a prefill block: 4 row groups of 16 (one mma tile's rows each).
-const PREFILL_ROWS: u32 = 64;
+use crate::matmul::Vector;
+use crate::params::{AttentionDecode, AttentionPrefill, KvAppend};
+use crate::util::{
+    F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, exp, exp_wide, fma,
+    grid_dim, ldmatrix4, mma, red_add_f64, shared, shared_addr, split_pair, store_shared2,
+    sync_threads, thread, wait_prior_grids, warp_max, warp_sum,
+};
+
+/// Keys up to which each block of the decode kernel has one tile at most (with
+/// `DECODE_SPLITS` slices, as the host launches it).
+pub const ONE_TILE_KEYS: u32 = DECODE_SPLITS * TILE_KEYS;
 
 /// `for $i in 0..$n { $body }` written out, so that every index into an array is a constant and
 /// the array stays in registers (LLVM does not fully unroll loops whose bodies hold many `mma`s
@@ -185,17 +183,18 @@ fn stage_unit<const D: usize>(i: usize) -> (u32, u32) {
 
 /// Copies `k, v = [rows, kv_dim]` into rows `pos[0]..pos[0] + rows` of `k_cache, v_cache =
 /// [max_pos, kv_dim]`. Grid: `ceil(rows * kv_dim / blockDim)` blocks; no shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn kv_append(
-    k_cache: *mut f32,
-    v_cache: *mut f32,
-    k: *const f32,
-    v: *const f32,
-    pos: *const u32,
-    rows: u32,
-    kv_dim: u32,
-    max_pos: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn kv_append(p: KvAppend) {
+    let KvAppend {
+        k_cache,
+        v_cache,
+        k,
+        v,
+        pos,
+        rows,
+        kv_dim,
+        max_pos,
+    } = p;
     let p0 = unsafe { *pos };
     if p0 > max_pos - rows {
         unsafe { nvptx::trap() };
@@ -211,71 +210,50 @@ pub unsafe extern "gpu-kernel" fn kv_append(
     }
 }
 
-/// An entry point of the decode kernel: `decode::<D, DPL, VEC>`.
-macro_rules! decode_kernel {
-    ($(#[$doc:meta])* $name:ident => $d:literal, $dpl:literal, $vec:literal) => {
-        $(#[$doc])*
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            sums: *mut f64,
-            q: *const f32,
-            k_cache: *const f32,
-            v_cache: *const f32,
-            pos: *const u32,
-            n_heads: u32,
-            n_kv: u32,
-            head_dim: u32,
-            max_pos: u32,
-            scale: f32,
-        ) {
-            if $vec && head_dim != $d {
-                unsafe { nvptx::trap() };
-            }
-            let a = (sums, q, k_cache, v_cache, pos);
-            unsafe { decode::<$d, $dpl, $vec>(a, (n_heads, n_kv, head_dim, max_pos, scale)) }
+/// Split-K ("flash-decoding") attention of one query row `q = [n_heads * head_dim]` at
+/// position `pos[0]` over keys `0..=pos[0]`, added into `sums = [n_heads * head_dim +
+/// n_heads]` f64, zero before the launch, unnormalised (see [`Sums`]):
+/// `sums[h * head_dim + d]` gets `sum_j e^(s_j - r_h) v_j[d]` and `sums[n_heads * head_dim +
+/// h]` gets `sum_j e^(s_j - r_h)`, over the keys `j` with scores `s_j = q_h·k_j * scale`, for
+/// a reference `r_h`: head h's score of key `pos[0]`, its own token's. `scale` =
+/// 1/sqrt(head_dim), head_dim <= 128.
+///
+/// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
+/// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
+/// over slice `s` of the keys, so each K/V row is read once for all of them. Block: 256
+/// threads. Shared: 38,400 bytes (the `D = 128` path's; the other needs less).
+///
+/// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
+/// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on
+/// the device, so the launch does not depend on the position. Blocks past the last key
+/// have nothing to do and leave at once. Per tile (its K and V staged in shared memory by
+/// 16-byte loads, the next tile's loads in flight during the current one's math), lane `i`
+/// of each warp scores key `i` against its head's query, and the warp updates the head's
+/// online softmax (max `m`, sum `l`) and its output dims `D/32` per lane. Then each warp
+/// adds its slice's share, `e^(m - r_h)` times its `l` and outputs, into the sums by
+/// `red.add.f64` and leaves: no slice waits for another, and the slices need no common
+/// max. The one reference keeps every slice's terms on one scale, and f64 holds them: the
+/// sum includes key `pos[0]`'s `e^0 = 1`, so it never underflows, and only a key scoring
+/// more than ~709 above the query's own overflows it (the head's output is then not
+/// finite; the default model's largest such gap, over a prompt and 40 generated tokens in
+/// every layer and head, is ~33). The order of the additions varies from launch to
+/// launch, at f64's rounding.
+///
+/// Keyed by `D`, the padded head dim: 128 for any head_dim (`decode::<128, 4, false>`), 64 for
+/// head_dim 64 with `sums`, `q` and the caches 16-byte aligned (the host checks; traps on
+/// another head_dim): 16-byte loads throughout, and only the registers its path needs.
+#[inline(always)]
+pub(crate) unsafe fn attention_decode<const D: u32>(p: AttentionDecode) {
+    const { assert!(D == 64 || D == 128) };
+    if D == 64 {
+        if p.head_dim != 64 {
+            unsafe { nvptx::trap() };
         }
-    };
+        unsafe { decode::<64, 2, true>(p) }
+    } else {
+        unsafe { decode::<128, 4, false>(p) }
+    }
 }
-
-decode_kernel!(
-    /// Split-K ("flash-decoding") attention of one query row `q = [n_heads * head_dim]` at
-    /// position `pos[0]` over keys `0..=pos[0]`, added into `sums = [n_heads * head_dim +
-    /// n_heads]` f64, zero before the launch, unnormalised (see [`Sums`]): `sums[h * head_dim
-    /// + d]` gets `sum_j e^(s_j - r_h) v_j[d]` and `sums[n_heads * head_dim + h]` gets `sum_j
-    /// e^(s_j - r_h)`, over the keys `j` with scores `s_j = q_h·k_j * scale`, for a reference
-    /// `r_h`: head h's score of key `pos[0]`, its own token's. `scale` = 1/sqrt(head_dim),
-    /// head_dim <= 128.
-    ///
-    /// Grid: `(n_kv * ceil(group / 8), splits)` with `group = n_heads / n_kv` and
-    /// `splits <= 64`: block `(x, s)` serves up to 8 query heads of one kv head, one per warp,
-    /// over slice `s` of the keys, so each K/V row is read once for all of them. Block: 256
-    /// threads. Shared: 38,400 bytes (the `D = 128` path's; the other needs less).
-    ///
-    /// The slices are whole tiles of 32 keys, as few per slice as cover `pos[0] + 1` keys in
-    /// `splits` slices (32 keys per block up to 2048 keys); all of it follows from `pos[0]` on
-    /// the device, so the launch does not depend on the position. Blocks past the last key
-    /// have nothing to do and leave at once. Per tile (its K and V staged in shared memory by
-    /// 16-byte loads, the next tile's loads in flight during the current one's math), lane `i`
-    /// of each warp scores key `i` against its head's query, and the warp updates the head's
-    /// online softmax (max `m`, sum `l`) and its output dims `D/32` per lane. Then each warp
-    /// adds its slice's share, `e^(m - r_h)` times its `l` and outputs, into the sums by
-    /// `red.add.f64` and leaves: no slice waits for another, and the slices need no common
-    /// max. The one reference keeps every slice's terms on one scale, and f64 holds them: the
-    /// sum includes key `pos[0]`'s `e^0 = 1`, so it never underflows, and only a key scoring
-    /// more than ~709 above the query's own overflows it (the head's output is then not
-    /// finite; the default model's largest such gap, over a prompt and 40 generated tokens in
-    /// every layer and head, is ~33). The order of the additions varies from launch to
-    /// launch, at f64's rounding.
-    attention_decode => 128, 4, false
-);
-
-decode_kernel!(
-    /// `attention_decode` for `head_dim` 64 with `sums`, `q` and the caches 16-byte aligned
-    /// (the host checks; traps on another head_dim): 16-byte loads throughout, and only the
-    /// registers its path needs.
-    attention_decode_hd64 => 64, 2, true
-);
 
 /// The decode kernel's output as a GEMV's input vector (`matmul::Vector`): element `k` of
 /// `n = n_heads * head_dim` is `sums[k] / sums[n + k / head_dim]`, the head's output over its
@@ -313,16 +291,23 @@ impl Vector for Sums {
     }
 }
 
-type DecodePtrs = (*mut f64, *const f32, *const f32, *const f32, *const u32);
-
 /// `attention_decode` for head dims padded to `D` (see the module's doc). `DPL = D / 32`: the
 /// output dims per lane, `lane * DPL..`; also the K (and V) units of 4 floats a thread stages
 /// per tile (32 keys of `D / 4` units over 256 threads).
 #[inline(always)]
-unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
-    (sums, q, k_cache, v_cache, pos): DecodePtrs,
-    (n_heads, n_kv, head_dim, max_pos, scale): (u32, u32, u32, u32, f32),
-) {
+unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(p: AttentionDecode) {
+    let AttentionDecode {
+        sums,
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        n_heads,
+        n_kv,
+        head_dim,
+        max_pos,
+        scale,
+    } = p;
     const { assert!(D == 32 * DPL) };
     let (lane, warp) = (thread() % WARP, thread() / WARP);
     let group = n_heads / n_kv;
@@ -345,6 +330,8 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     let vs = unsafe { ks.add(32 * (D + 4)) }; // [32][D]
     let qs = unsafe { vs.add(32 * D) }; // [8][D]
     let ps = unsafe { qs.add(8 * D) }; // [8][32]
+    // All of it within the shared memory the host launches with.
+    const { assert!(4 * (32 * (D + 4) + 32 * D + 8 * D + 8 * 32) <= DECODE_SHARED_BYTES as usize) };
 
     // The kernel this one may overlap is attn_qkv, which let it start only once the kernels
     // before attn_qkv had finished. So the position (set before the step's first kernel) and
@@ -352,7 +339,7 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
     // first tile's keys before `p0`. Key `p0` is attn_qkv's.
     let p0 = unsafe { *pos };
     let (splits, split) = unsafe { (nvptx::_grid_dim_y(), nvptx::_block_idx_y()) };
-    if p0 >= max_pos || splits > MAX_SPLITS {
+    if p0 >= max_pos || splits > DECODE_SPLITS {
         unsafe { nvptx::trap() };
     }
     let n_keys = p0 + 1;
@@ -503,7 +490,10 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
         }
     }
     if lane == 0 {
-        red_add_f64(unsafe { sums.add((n_heads * hd + h) as usize) }, l as f64 * w);
+        red_add_f64(
+            unsafe { sums.add((n_heads * hd + h) as usize) },
+            l as f64 * w,
+        );
     }
 }
 
@@ -526,21 +516,21 @@ unsafe fn decode<const D: usize, const DPL: usize, const VEC: bool>(
 /// the `lo·lo` term (< 2^-22 of the product) left out. A warp skips the tiles wholly after
 /// its last row. Operands must stay below 65504 in magnitude (f16's range; activations are
 /// far below): a larger one makes its rows' outputs non-finite.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn attention_prefill(
-    out: *mut f32,
-    q: *const f32,
-    k_cache: *const f32,
-    v_cache: *const f32,
-    pos: *const u32,
-    rows: u32,
-    n_heads: u32,
-    n_kv: u32,
-    head_dim: u32,
-    max_pos: u32,
-    scale: f32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn attention_prefill(p: AttentionPrefill) {
+    let AttentionPrefill {
+        out,
+        q,
+        k_cache,
+        v_cache,
+        pos,
+        rows,
+        n_heads,
+        n_kv,
+        head_dim,
+        max_pos,
+        scale,
+    } = p;
     let fast = head_dim == 64
         && aligned(out, 16)
         && aligned(q, 16)
@@ -554,6 +544,8 @@ pub unsafe extern "gpu-kernel" fn attention_prefill(
         unsafe { prefill::<128, false>(a, n) }
     }
 }
+
+type PrefillPtrs = (*mut f32, *const f32, *const f32, *const f32, *const u32);
 
 /// The three products of one split tile: `main += a_hi·b_hi`, `cross += a_lo·b_hi + a_hi·b_lo`.
 #[inline(always)]
@@ -570,8 +562,6 @@ fn split_a(v: [[f32; 2]; 4]) -> ([u32; 4], [u32; 4]) {
     (s.map(|s| s.0), s.map(|s| s.1))
 }
 
-type PrefillPtrs = (*mut f32, *const f32, *const f32, *const f32, *const u32);
-
 /// `attention_prefill` for head dims padded to `D` (see the module's doc).
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
@@ -587,7 +577,12 @@ unsafe fn prefill<const D: usize, const VEC: bool>(
     // four tiles (K hi, K lo, V hi, V lo: `[round keys][D]` halves, 8192 either way).
     let parts = (128 / D) as u32;
     let round_keys = parts * TILE_KEYS;
-    let tile_bytes = (2 * (128 / D) * 32 * D) as u32;
+    let tile_bytes = const {
+        let bytes = 2 * (128 / D) * 32 * D;
+        // The round's four tiles, within the shared memory the host launches with.
+        assert!(4 * bytes <= PREFILL_SHARED_BYTES as usize);
+        bytes as u32
+    };
     let (lane, warp) = (thread() % WARP, thread() / WARP);
     let (g, c) = (lane / 4, lane % 4);
     let (rg, part) = (warp % 4, warp / 4);

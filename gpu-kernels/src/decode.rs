@@ -40,15 +40,18 @@ use core::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 
 use crate::attention::{ONE_TILE_KEYS, Sums};
 use crate::matmul::{
-    Held, Plain, Vector, Weights, after_staging, family, gemv_units, lane_chunk, stage,
+    GgmlType, Held, Plain, Vector, Weights, after_staging, gemv_units, lane_chunk, stage,
     with_weights,
 };
-use crate::quant::{DIGIT_RADIUS, Packed, Q8_0, RADIUS, TopChunk, prmt};
+use crate::params::{
+    ArgmaxBounded, AttnOutput, AttnQkv, FfnGateUp, GemvResidual, LogitBounds, Logits,
+};
+use crate::quant::{DIGIT_RADIUS, Packed, Q8_0, RADIUS, TopChunk, id, prmt};
 use crate::sampling::end_step;
 use crate::util::{
-    WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp,
-    fma, from_lane, grid_dim, load_early, load_streaming, prefetch_l2, shared, sync_threads,
-    thread, wait_prior_grids, warp_max_u32, warp_sum,
+    WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp, fma,
+    from_lane, grid_dim, load_early, load_streaming, prefetch_l2, shared, sync_threads, thread,
+    wait_prior_grids, warp_max_u32, warp_sum,
 };
 
 /// This lane's chunk of `x ∘ g` (`n_in` long) for `split` warps per unit, staged by the block
@@ -91,36 +94,36 @@ fn bias_early(bias: *const f32, r: usize) -> f32 {
 /// Grid: `q_blocks + 2·kv_blocks`: the first `q_blocks` blocks compute q, the next `kv_blocks`
 /// k, the last `kv_blocks` v, each block `blockDim / 32 / split` units at a time. Block: a
 /// multiple of `32·split` threads; shared: as `matmul::stage` says.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn attn_qkv_family<const F: u32>(
-    q: *mut f32,
-    k_cache: *mut f32,
-    v_cache: *mut f32,
-    x: *const f32,
-    norm: *const f32,
-    eps: f32,
-    wq: *const u8,
-    ty_q: u32,
-    bq: *const f32,
-    wk: *const u8,
-    ty_k: u32,
-    bk: *const f32,
-    wv: *const u8,
-    ty_v: u32,
-    bv: *const f32,
-    pos: *const u32,
-    rope: *const f32,
-    n_in: u32,
-    n_heads: u32,
-    n_kv: u32,
-    head_dim: u32,
-    max_pos: u32,
-    q_blocks: u32,
-    kv_blocks: u32,
-    split: u32,
-    sums: *mut f64,
-) {
+pub(crate) unsafe fn attn_qkv<const F: u32>(p: AttnQkv) {
+    let AttnQkv {
+        q,
+        k_cache,
+        v_cache,
+        x,
+        norm,
+        eps,
+        wq,
+        ty_q,
+        bq,
+        wk,
+        ty_k,
+        bk,
+        wv,
+        ty_v,
+        bv,
+        pos,
+        rope,
+        n_in,
+        n_heads,
+        n_kv,
+        head_dim,
+        max_pos,
+        q_blocks,
+        kv_blocks,
+        split,
+        sums,
+    } = p;
     let b = block();
     // (weights, type, bias, output, its row stride per position, heads, rotated, the matrix's
     // first block and blocks)
@@ -235,7 +238,9 @@ impl Qkv {
                 unsafe { (*out.add(r0), *out.add(r1)) = (a, b) };
             }
         };
-        gemv_units::<W, _, _, true, true, false>(held, chunks, n_pairs, split, block, blocks, rows, out);
+        gemv_units::<W, _, _, true, true, false>(
+            held, chunks, n_pairs, split, block, blocks, rows, out,
+        );
     }
 }
 
@@ -244,20 +249,20 @@ impl Qkv {
 /// and up have the one type id `ty`. Units are rows `r` of both matrices, so that the two
 /// products meet in registers. Grid: any number of blocks (they stride over the rows); block:
 /// a multiple of `32·split` threads; shared: as `matmul::stage` says.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn ffn_gate_up_family<const F: u32>(
-    h: *mut f32,
-    x: *const f32,
-    norm: *const f32,
-    eps: f32,
-    w_gate: *const u8,
-    w_up: *const u8,
-    ty: u32,
-    n_in: u32,
-    n_out: u32,
-    split: u32,
-) {
+pub(crate) unsafe fn ffn_gate_up<const F: u32>(p: FfnGateUp) {
+    let FfnGateUp {
+        h,
+        x,
+        norm,
+        eps,
+        w_gate,
+        w_up,
+        ty,
+        n_in,
+        n_out,
+        split,
+    } = p;
     with_weights!(F, ty, W => {
         let (gate, up) = (W::new(w_gate, n_out, n_in), W::new(w_up, n_out, n_in));
         let held = || held_norm::<W, true>(x, norm, n_in, eps, split);
@@ -274,18 +279,18 @@ unsafe fn ffn_gate_up_family<const F: u32>(
 
 /// `y[r] += w[r]·v + bias[r]` for `r` in `0..n_out` (`v` `n_in` long, `bias` may be null), in
 /// place on the residual stream. See `residual`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn gemv_residual_family<const F: u32>(
-    y: *mut f32,
-    v: *const f32,
-    w: *const u8,
-    ty: u32,
-    bias: *const f32,
-    n_in: u32,
-    n_out: u32,
-    split: u32,
-) {
+pub(crate) unsafe fn gemv_residual<const F: u32>(p: GemvResidual) {
+    let GemvResidual {
+        y,
+        v,
+        w,
+        ty,
+        bias,
+        n_in,
+        n_out,
+        split,
+    } = p;
     unsafe { residual::<F, false, true>(y, v, w, ty, bias, n_in, n_out, split) }
 }
 
@@ -294,18 +299,18 @@ unsafe fn gemv_residual_family<const F: u32>(
 /// are staged: the attention output projection, which so ends the attention's split-K. Staged
 /// for every type (each lane loading its own chunk of the f64 sums was 7% slower with f16
 /// weights). See `residual`.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn attn_output_family<const F: u32>(
-    y: *mut f32,
-    sums: *const f64,
-    head_dim: u32,
-    w: *const u8,
-    ty: u32,
-    n_in: u32,
-    n_out: u32,
-    split: u32,
-) {
+pub(crate) unsafe fn attn_output<const F: u32>(p: AttnOutput) {
+    let AttnOutput {
+        y,
+        sums,
+        head_dim,
+        w,
+        ty,
+        n_in,
+        n_out,
+        split,
+    } = p;
     let v = Sums {
         sums,
         n: n_in,
@@ -380,25 +385,25 @@ unsafe fn residual<const F: u32, const STAGED: bool, const DIGITS: bool>(
 /// no kernel of its own between this one and the next step's.
 /// Grid: any number of blocks (they stride over the units); block: a multiple of `32·split`
 /// threads (at most 32 warps); shared: as `matmul::stage` says.
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn logits_family<const F: u32>(
-    logits: *mut f32,
-    x: *const f32,
-    norm: *const f32,
-    eps: f32,
-    w: *const u8,
-    ty: u32,
-    n_in: u32,
-    n_out: u32,
-    split: u32,
-    best: *mut u32,
-    scratch: *mut u64,
-    tokens: *mut u32,
-    n_tokens: u32,
-    pos: *mut u32,
-    step: *mut u64,
-) {
+pub(crate) unsafe fn logits<const F: u32>(p: Logits) {
+    let Logits {
+        logits,
+        x,
+        norm,
+        eps,
+        w,
+        ty,
+        n_in,
+        n_out,
+        split,
+        best,
+        scratch,
+        tokens,
+        n_tokens,
+        pos,
+        step,
+    } = p;
     // This thread's best (value, index), kept by the finishers.
     let best_here = Cell::new((f32::NEG_INFINITY, u32::MAX));
     with_weights!(F, ty, W => {
@@ -637,9 +642,9 @@ impl Sketch for F16Sketch {
 /// exactly. Units are four rows, one warp each; shared: as `matmul::stage` says, for one warp
 /// per unit. Grid: any number of blocks (they stride over the units), `lower` holds one word
 /// per block; block: a multiple of 32 threads (at most 32 warps).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn logit_bounds<S: Sketch>(
+#[allow(clippy::too_many_arguments)]
+unsafe fn logit_bounds_with<S: Sketch>(
     upper: *mut f32,
     lower: *mut u32,
     x: *const f32,
@@ -685,7 +690,10 @@ unsafe fn logit_bounds<S: Sketch>(
         // The row's (upper, lower) bound.
         let bound = |top: &S::Top| {
             let (e, r) = S::bound(top, &xs, x_abs);
-            let (e, r) = (warp_sum(if live { e } else { 0.0 }), warp_sum(if live { r } else { 0.0 }));
+            let (e, r) = (
+                warp_sum(if live { e } else { 0.0 }),
+                warp_sum(if live { r } else { 0.0 }),
+            );
             (s * (e + r), s * (e - r))
         };
         let (b0, b1, b2, b3) = (
@@ -729,25 +737,25 @@ unsafe fn logit_bounds<S: Sketch>(
 /// lists those that pass in shared memory, and its warps take the list's rows in turn. Grid:
 /// any; block: a multiple of 32 threads (at most 32 warps); shared: as `matmul::stage` says,
 /// for one warp per unit, then `1 + ceil(n_out / grid)` words (the list and its length).
-#[allow(clippy::too_many_arguments)]
 #[inline(always)]
-unsafe fn argmax_bounded<W: Weights>(
-    best: *mut u32,
-    scratch: *mut u64,
-    upper: *const f32,
-    lower: *const u32,
-    n_lower: u32,
-    x: *const f32,
-    norm: *const f32,
-    eps: f32,
-    w: *const u8,
-    n_in: u32,
-    n_out: u32,
-    tokens: *mut u32,
-    n_tokens: u32,
-    pos: *mut u32,
-    step: *mut u64,
-) {
+unsafe fn argmax_bounded_with<W: Weights>(p: ArgmaxBounded) {
+    let ArgmaxBounded {
+        best,
+        scratch,
+        upper,
+        lower,
+        n_lower,
+        x,
+        norm,
+        eps,
+        w,
+        n_in,
+        n_out,
+        tokens,
+        n_tokens,
+        pos,
+        step,
+    } = p;
     let w = W::new(w, n_out, n_in);
     let n_chunks = n_in / 32;
     let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
@@ -842,88 +850,50 @@ unsafe fn argmax_bounded<W: Weights>(
     grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
 }
 
-/// The entry points of the bounded arg-max's two passes, one per type it serves:
-/// `<pass>_q8_0` and `<pass>_f16`.
-macro_rules! bounded_kernels {
-    ($($sketch:ty => $bounds:ident, $argmax:ident;)*) => {$(
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $bounds(
-            upper: *mut f32, lower: *mut u32, x: *const f32, norm: *const f32, eps: f32,
-            w: *const u8, plane: *const u8, n_in: u32, n_out: u32,
-        ) {
-            unsafe { logit_bounds::<$sketch>(upper, lower, x, norm, eps, w, plane, n_in, n_out) }
-        }
-
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $argmax(
-            best: *mut u32, scratch: *mut u64, upper: *const f32, lower: *const u32,
-            n_lower: u32, x: *const f32, norm: *const f32, eps: f32, w: *const u8, n_in: u32,
-            n_out: u32, tokens: *mut u32, n_tokens: u32, pos: *mut u32, step: *mut u64,
-        ) {
-            unsafe {
-                argmax_bounded::<<$sketch as Sketch>::W>(
-                    best, scratch, upper, lower, n_lower, x, norm, eps, w, n_in, n_out, tokens,
-                    n_tokens, pos, step,
-                )
-            }
-        }
-    )*};
+/// The [`Sketch`] of the ggml types that greedy decoding's bounded arg-max serves.
+pub(crate) trait Sketched {
+    type S: Sketch;
 }
 
-bounded_kernels! {
-    Q8Sketch => logit_bounds_q8_0, argmax_bounded_q8_0;
-    F16Sketch => logit_bounds_f16, argmax_bounded_f16;
+impl Sketched for GgmlType<{ id::Q8_0 }> {
+    type S = Q8Sketch;
 }
 
-/// The entry points of a decode kernel `$body`, one per weight family (`matmul::family`): the
-/// kernel `<body>_<family>` serves the types of that family.
-macro_rules! family_kernels {
-    ($body:ident $args:tt => $($name:ident $fam:ident),*) => {
-        $(family_kernels!(@one $body $args $name $fam);)*
-    };
-    (@one $body:ident ($($arg:ident: $t:ty),* $(,)?) $name:ident $fam:ident) => {
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name($($arg: $t),*) {
-            unsafe { $body::<{ family::$fam }>($($arg),*) }
-        }
-    };
+impl Sketched for GgmlType<{ id::F16 }> {
+    type S = F16Sketch;
 }
 
-family_kernels!(attn_qkv_family(
-    q: *mut f32, k_cache: *mut f32, v_cache: *mut f32, x: *const f32, norm: *const f32,
-    eps: f32, wq: *const u8, ty_q: u32, bq: *const f32, wk: *const u8, ty_k: u32,
-    bk: *const f32, wv: *const u8, ty_v: u32, bv: *const f32, pos: *const u32,
-    rope: *const f32, n_in: u32, n_heads: u32, n_kv: u32, head_dim: u32, max_pos: u32,
-    q_blocks: u32, kv_blocks: u32, split: u32, sums: *mut f64,
-) => attn_qkv_legacy LEGACY, attn_qkv_kquant KQUANT, attn_qkv_f32 F32, attn_qkv_f16 F16,
-    attn_qkv_bf16 BF16,
-    // q, k and v of both packed families in one layer.
-    attn_qkv_packed PACKED);
+/// Greedy decoding's first pass ([`logit_bounds_with`]) over a matrix of ggml type `TY`, one
+/// entry point per type it serves (`Sketched`).
+#[inline(always)]
+pub(crate) unsafe fn logit_bounds<const TY: u32>(p: LogitBounds)
+where
+    GgmlType<TY>: Sketched,
+{
+    let LogitBounds {
+        upper,
+        lower,
+        x,
+        norm,
+        eps,
+        w,
+        plane,
+        n_in,
+        n_out,
+    } = p;
+    unsafe {
+        logit_bounds_with::<<GgmlType<TY> as Sketched>::S>(
+            upper, lower, x, norm, eps, w, plane, n_in, n_out,
+        )
+    }
+}
 
-family_kernels!(ffn_gate_up_family(
-    h: *mut f32, x: *const f32, norm: *const f32, eps: f32, w_gate: *const u8,
-    w_up: *const u8, ty: u32, n_in: u32, n_out: u32, split: u32,
-) => ffn_gate_up_legacy LEGACY, ffn_gate_up_kquant KQUANT, ffn_gate_up_f32 F32,
-    ffn_gate_up_f16 F16, ffn_gate_up_bf16 BF16);
-
-family_kernels!(gemv_residual_family(
-    y: *mut f32, v: *const f32, w: *const u8, ty: u32, bias: *const f32, n_in: u32,
-    n_out: u32, split: u32,
-) => gemv_residual_legacy LEGACY, gemv_residual_kquant KQUANT, gemv_residual_f32 F32,
-    gemv_residual_f16 F16, gemv_residual_bf16 BF16);
-
-family_kernels!(attn_output_family(
-    y: *mut f32, sums: *const f64, head_dim: u32, w: *const u8, ty: u32, n_in: u32, n_out: u32,
-    split: u32,
-) => attn_output_legacy LEGACY, attn_output_kquant KQUANT, attn_output_f32 F32,
-    attn_output_f16 F16, attn_output_bf16 BF16);
-
-family_kernels!(logits_family(
-    logits: *mut f32, x: *const f32, norm: *const f32, eps: f32, w: *const u8, ty: u32,
-    n_in: u32, n_out: u32, split: u32, best: *mut u32, scratch: *mut u64, tokens: *mut u32,
-    n_tokens: u32, pos: *mut u32, step: *mut u64,
-) => logits_legacy LEGACY, logits_kquant KQUANT, logits_f32 F32, logits_f16 F16,
-    logits_bf16 BF16);
+/// Greedy decoding's second pass ([`argmax_bounded_with`]) over a matrix of ggml type `TY`,
+/// one entry point per type [`logit_bounds`] serves.
+#[inline(always)]
+pub(crate) unsafe fn argmax_bounded<const TY: u32>(p: ArgmaxBounded)
+where
+    GgmlType<TY>: Sketched,
+{
+    unsafe { argmax_bounded_with::<<<GgmlType<TY> as Sketched>::S as Sketch>::W>(p) }
+}

@@ -1,4 +1,5 @@
 //! Elementwise steps of the forward pass. CPU twins: `orcd::cpu::silu_mul`, `orcd::cpu::add`.
+use crate::params::{Add, SiluMul};
 use crate::util::{block, block_dim, exp, thread};
 
 /// This thread's element: one per thread over the whole grid.
@@ -10,8 +11,9 @@ fn index() -> usize {
 /// `gate[i] = silu(gate[i])·up[i]` with `silu(g) = g / (1 + e^-g)` (SwiGLU); `e^x` is
 /// `ex2.approx`-based (see `util::exp`). Grid: `ceil(n / blockDim)` blocks; any block size;
 /// no shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn silu_mul(gate: *mut f32, up: *const f32, n: u32) {
+#[inline(always)]
+pub(crate) unsafe fn silu_mul(p: SiluMul) {
+    let SiluMul { gate, up, n } = p;
     let i = index();
     if i < n as usize {
         unsafe {
@@ -23,8 +25,9 @@ pub unsafe extern "gpu-kernel" fn silu_mul(gate: *mut f32, up: *const f32, n: u3
 
 /// `x[i] += y[i]`, the residual connection. Grid: `ceil(n / blockDim)` blocks; any block
 /// size; no shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn add(x: *mut f32, y: *const f32, n: u32) {
+#[inline(always)]
+pub(crate) unsafe fn add(p: Add) {
+    let Add { x, y, n } = p;
     let i = index();
     if i < n as usize {
         unsafe { *x.add(i) += *y.add(i) };

@@ -27,21 +27,19 @@
 //! whatever `mt` and `rows`. An output that is not finite (an operand beyond f16's range,
 //! |v| >= 65520, or an inf or NaN input) is redone by its thread in f32 FMAs in k order: a
 //! decision on the output's own value, so row-independent too.
-use crate::matmul::{Bf16, Plain, Weights};
-use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0};
+use crate::matmul::{Format, GgmlType, Weights};
+use crate::params::GemmRows;
 use crate::util::{
     F32x4, LO_SCALE, WARP, allow_next_grid, block, block_dim, fma, mma, shared, split,
     sync_threads, thread, wait_prior_grids,
 };
 
+use kernel_abi::gemm_rows::{PER_TILE, WARP_OUTS};
+
 /// n8 output tiles per warp.
-const NT: usize = 2;
-/// The most m16 row tiles per warp (`mt`). The host's `GEMM_ROWS_MT`.
-const MT: usize = 4;
-/// Outputs per warp.
-const WARP_OUTS: u32 = 8 * NT as u32;
-/// A warp's partial sums per m16 tile: `NT` n8 tiles of 4 values per lane.
-const PER_TILE: u32 = NT as u32 * 4 * WARP;
+const NT: usize = kernel_abi::gemm_rows::NT as usize;
+/// The most m16 row tiles per warp (`mt`).
+const MT: usize = kernel_abi::gemm_rows::MAX_MT as usize;
 
 /// `bias[i]`, or 0 for a null bias.
 #[inline(always)]
@@ -66,7 +64,7 @@ unsafe fn load_x8(x: *const f32, at: usize) -> [f32; 8] {
 /// `ks·nw·mt·PER_TILE` f32 (`nw = blockDim / 32 / ks`).
 #[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn gemm_rows<W: Weights>(
+unsafe fn gemm_rows_of<W: Weights>(
     y: *mut f32,
     x: *const f32,
     w: W,
@@ -209,41 +207,23 @@ unsafe fn gemm_rows<W: Weights>(
     }
 }
 
-/// `$name(y, x, w, bias, rows, n_in, n_out, ks, mt)`: `y[t, o] = x[t, :]·w[o, :] + bias[o]`
-/// for `rows` rows, weights of format `$w`; `bias` may be null. `n_in % 32 == 0`, `x` 16-byte
-/// aligned, `w` a plain float matrix 16-byte aligned or a packed one (`orcd::pack`). `ks`
-/// slices of K (a function of the shape only, for row independence), `mt` m16 tiles of rows
-/// per block (1, 2 or 4). Grid: `ceil(rows / (16·mt))·ceil(n_out / (16·nw))` blocks; block:
-/// `32·ks·nw` threads; shared: `ks·nw·mt·256` f32. Launched to overlap the kernel before.
-macro_rules! gemm_rows_kernels {
-    ($($name:ident $w:ty),* $(,)?) => {$(
-        #[unsafe(no_mangle)]
-        #[allow(clippy::too_many_arguments)]
-        pub unsafe extern "gpu-kernel" fn $name(
-            y: *mut f32,
-            x: *const f32,
-            w: *const u8,
-            bias: *const f32,
-            rows: u32,
-            n_in: u32,
-            n_out: u32,
-            ks: u32,
-            mt: u32,
-        ) {
-            let w = <$w>::new(w, n_out, n_in);
-            unsafe { gemm_rows(y, x, w, bias, rows, n_in, n_out, ks, mt) }
-        }
-    )*};
+/// The `GemmRows` kernel for weights of ggml type `TY`: `gemm_rows` over them.
+#[inline(always)]
+pub(crate) unsafe fn gemm_rows<const TY: u32>(p: GemmRows)
+where
+    GgmlType<TY>: Format,
+{
+    let GemmRows {
+        y,
+        x,
+        w,
+        bias,
+        rows,
+        n_in,
+        n_out,
+        ks,
+        mt,
+    } = p;
+    let w = <GgmlType<TY> as Format>::W::new(w, n_out, n_in);
+    unsafe { gemm_rows_of(y, x, w, bias, rows, n_in, n_out, ks, mt) }
 }
-
-gemm_rows_kernels!(
-    gemm_rows_f32 Plain<f32>,
-    gemm_rows_f16 Plain<f16>,
-    gemm_rows_bf16 Plain<Bf16>,
-    gemm_rows_q4_0 Packed<Q4_0>,
-    gemm_rows_q5_0 Packed<Q5_0>,
-    gemm_rows_q8_0 Packed<Q8_0>,
-    gemm_rows_q4_k Packed<Q4K>,
-    gemm_rows_q5_k Packed<Q5K>,
-    gemm_rows_q6_k Packed<Q6K>,
-);

@@ -10,8 +10,14 @@
 //! the format. The GEMV's body, [`gemv_units`], also serves the fused decode kernels.
 use core::arch::asm;
 
+use kernel_abi::gemm::{
+    F32_STRIDE, GROUP, MAX_TEAMS, STEP_BYTES, TEAM_SLOTS, TILE_BYTES, TILE_K, TILE_M, TILE_N,
+};
+use kernel_abi::gemv::{self, STAGED};
+
+use crate::params::{Gemm, Gemv};
 use crate::quant::{
-    Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, digit_scale, digit_sum, digits4, dp4a, top_bits,
+    Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, digit_scale, digit_sum, digits4, dp4a, id, top_bits,
 };
 use crate::util::{
     F32x4, LO_SCALE, WARP, aligned, allow_next_grid, block, block_dim, fma, grid_dim,
@@ -157,7 +163,10 @@ impl<T: Float> Weights for Plain<T> {
 
     #[inline(always)]
     unsafe fn load_chunk<const VEC: bool>(&self, row: usize, c: u32) -> Self::Chunk {
-        let (w, n_chunks) = (unsafe { self.w.add(row * self.n_in) }, self.n_in as u32 / 32);
+        let (w, n_chunks) = (
+            unsafe { self.w.add(row * self.n_in) },
+            self.n_in as u32 / 32,
+        );
         core::array::from_fn(|g| {
             if VEC {
                 let k = Self::group_at(c, g as u32, n_chunks) as usize;
@@ -201,17 +210,8 @@ impl<T: Float> Weights for Plain<T> {
 /// (H100 native decode: one build for all six 2,242 tok/s, one per half 2,275; one per type
 /// 2,069, the model's FFN down then alternating between two kernels from layer to layer).
 pub mod family {
-    /// Every type (kernels where registers do not matter).
-    pub const ANY: u32 = 0;
-    /// The packed quantized types (`quant::Packed`): both families below.
-    pub const PACKED: u32 = 1;
-    pub const F32: u32 = 2;
-    pub const F16: u32 = 3;
-    pub const BF16: u32 = 4;
-    /// The packed types of 32-weight blocks: q4_0, q5_0, q8_0.
-    pub const LEGACY: u32 = 5;
-    /// The packed types of 256-weight super-blocks: q4_K, q5_K, q6_K.
-    pub const KQUANT: u32 = 6;
+    // The families' ids, and the family of each type (`of`).
+    pub use kernel_abi::family::*;
 
     /// Whether a kernel built for family `built` serves the types of family `own`.
     pub const fn serves(built: u32, own: u32) -> bool {
@@ -219,22 +219,42 @@ pub mod family {
     }
 }
 
+/// ggml type `ID` (`quant::id`), for what is built per type: `GgmlType<ID>: Format` for every
+/// type a matrix may have.
+pub(crate) struct GgmlType<const ID: u32>;
+
+/// The [`Weights`] that a matrix of a ggml type is read as.
+pub(crate) trait Format {
+    type W: Weights;
+}
+
+macro_rules! formats {
+    ($($id:ident $T:ty),*) => {
+        $(impl Format for GgmlType<{ id::$id }> {
+            type W = $T;
+        })*
+    };
+}
+
+formats!(
+    F32 Plain<f32>, F16 Plain<f16>, BF16 Plain<Bf16>, Q4_0 Packed<Q4_0>, Q5_0 Packed<Q5_0>,
+    Q8_0 Packed<Q8_0>, Q4_K Packed<Q4K>, Q5_K Packed<Q5K>, Q6_K Packed<Q6K>
+);
+
 /// `$body` with `$W` the [`Weights`] type of ggml type id `$ty`, among the types of kernel
 /// family `$family` (a constant: the other types' code is never built); traps on any other id.
 macro_rules! with_weights {
     ($family:expr, $ty:expr, $W:ident => $body:expr) => {
         with_weights!(@ $family, $ty, $W => $body;
-            F32 F32 Plain<f32>, F16 F16 Plain<f16>, BF16 BF16 Plain<Bf16>,
-            LEGACY Q4_0 Packed<Q4_0>, LEGACY Q5_0 Packed<Q5_0>, LEGACY Q8_0 Packed<Q8_0>,
-            KQUANT Q4_K Packed<Q4K>, KQUANT Q5_K Packed<Q5K>, KQUANT Q6_K Packed<Q6K>)
+            F32, F16, BF16, Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)
     };
-    (@ $family:expr, $ty:expr, $W:ident => $body:expr; $($fam:ident $id:ident $T:ty),*) => {{
-        use crate::matmul::{Bf16, Plain, family};
-        use crate::quant::{Packed, Q4_0, Q4K, Q5_0, Q5K, Q6K, Q8_0, id};
+    (@ $family:expr, $ty:expr, $W:ident => $body:expr; $($id:ident),*) => {{
+        use crate::matmul::{Format, GgmlType, family};
+        use crate::quant::id;
         let (ty, fam) = ($ty, $family);
         $(
-            if family::serves(fam, family::$fam) && ty == id::$id {
-                type $W = $T;
+            if family::serves(fam, const { family::of(id::$id) }) && ty == id::$id {
+                type $W = <GgmlType<{ id::$id }> as Format>::W;
                 $body
             } else
         )* {
@@ -378,22 +398,16 @@ impl Vector for *const f32 {
     }
 }
 
-/// Floats per chunk of the staged vector: its 32 elements, the sums of its halves and 2 of
-/// padding (a stride of 36 words puts the 8 lanes of each phase of a 16-byte shared load on
-/// distinct banks).
-const STAGED: usize = 36;
-
 /// Where the block's staged vector starts in its shared memory: after the slots of its
-/// reductions (`block_sum`'s 32 f32, `gemv_meet`'s 2 per warp), 16-byte aligned. The host
-/// sizes it the same way (`orcd::cuda` `gemv_shared`).
+/// reductions (`block_sum`'s 32 f32, `gemv_meet`'s 2 per warp), 16-byte aligned
+/// (`kernel_abi::gemv::slot_words`, which the host sizes the shared memory by).
 #[inline(always)]
 fn staging() -> *mut f32 {
-    let slots = (2 * block_dim() / WARP).max(32).next_multiple_of(4);
-    shared::<f32>().wrapping_add(slots as usize)
+    shared::<f32>().wrapping_add(gemv::slot_words(block_dim()) as usize)
 }
 
 /// Where the block's shared memory ends for a kernel that [`stage`]s `n` floats: what it may
-/// use beyond the staged vector (16-byte aligned). The host sizes it the same way.
+/// use beyond the staged vector (16-byte aligned; `kernel_abi::gemv::shared_bytes`).
 #[inline(always)]
 pub(crate) fn after_staging(n: u32) -> *mut u32 {
     staging().wrapping_add(STAGED * n.div_ceil(32) as usize) as *mut u32
@@ -637,9 +651,32 @@ pub(crate) fn lane_chunk(split: u32, n_chunks: u32) -> u32 {
     (thread() / WARP % split * WARP + thread() % WARP).min(n_chunks - 1)
 }
 
-/// The GEMV of the entry points: `y[o] = w[o, :]·x + bias[o]`, units of two rows.
+/// The GEMV, one entry point per weight type (ggml type `TY`): `y[o] = w[o, :]·x + bias[o]`
+/// for one token; `bias` may be null. Units of two rows, `split` warps each, `32·split >=
+/// ceil(n_in / 32)` (each lane one chunk of 32 weights per row). Grid: any number of blocks
+/// (they stride over the units); block: a multiple of `32·split` threads; shared: 2 f32 per
+/// warp.
 #[inline(always)]
-unsafe fn gemv<W: Weights>(
+pub(crate) unsafe fn gemv<const TY: u32>(p: Gemv)
+where
+    GgmlType<TY>: Format,
+{
+    let Gemv {
+        y,
+        x,
+        w,
+        bias,
+        n_in,
+        n_out,
+        split,
+    } = p;
+    let w = <GgmlType<TY> as Format>::W::new(w, n_out, n_in);
+    unsafe { gemv_weights(y, x, w, bias, n_in, n_out, split) }
+}
+
+/// [`gemv`] of weights `w`.
+#[inline(always)]
+unsafe fn gemv_weights<W: Weights>(
     y: *mut f32,
     x: *const f32,
     w: W,
@@ -684,7 +721,16 @@ unsafe fn gemv_rows<W: Weights, const VEC: bool>(
         }
     };
     let units = n_out.div_ceil(2);
-    gemv_units::<W, (), _, VEC, false, false>(held, n_chunks, units, split, block(), grid_dim(), rows, out);
+    gemv_units::<W, (), _, VEC, false, false>(
+        held,
+        n_chunks,
+        units,
+        split,
+        block(),
+        grid_dim(),
+        rows,
+        out,
+    );
 }
 
 /// Where the `split` warps of each GEMV unit meet: `out(unit, sums)` runs once for each unit
@@ -725,17 +771,6 @@ pub(crate) fn gemv_meet<const M: usize>(
     // Keep the slots until every unit has read them, so that the block can meet again.
     sync_threads();
 }
-
-/// Tokens (rows of `x`) and outputs (rows of `w`) per block tile, and the K step.
-const TILE_M: usize = 64;
-const TILE_N: usize = 64;
-const TILE_K: usize = 32;
-/// Threads of a group of 4 warps: the tensor-core loop's consumer or one team of its producers
-/// (see [`gemm_mma`]), or the f32 loop.
-const GROUP: u32 = 128;
-/// Row stride in floats of the f32 loop's shared `[TILE_K][64]` tiles: 4 floats of padding
-/// keep every row 16-byte aligned.
-const LDS: usize = 64 + 4;
 
 /// One K step of a tile, in registers on their way to shared memory. Thread `t` of a group
 /// holds x rows `t / 8 + 16p` (`p` in 0..4) at k `4·(t % 8)..+4`, and w rows `t / 4 + 32p`
@@ -837,7 +872,7 @@ impl Staged {
         for (p, v) in self.x.iter().enumerate() {
             let (r, k) = (t / 8 + 16 * p, 4 * (t % 8));
             for (j, v) in v.iter().enumerate() {
-                unsafe { *xs.add((k + j) * LDS + r) = *v };
+                unsafe { *xs.add((k + j) * F32_STRIDE + r) = *v };
             }
         }
         let k = 8 * (t % 4);
@@ -845,20 +880,44 @@ impl Staged {
         for (p, v) in self.w.iter().enumerate() {
             let n = t / 4 + 32 * p;
             for (j, v) in v.iter().enumerate() {
-                unsafe { *ws.add((k + j) * LDS + n) = if live { *v } else { 0.0 } };
+                unsafe { *ws.add((k + j) * F32_STRIDE + n) = if live { *v } else { 0.0 } };
             }
         }
     }
 }
 
-/// The tiled GEMM: block `b` computes the 64×64 output tile at token rows
-/// `64·(b % ceil(rows / 64))` and outputs `64·(b / ceil(rows / 64))`, in K steps of 32 staged
-/// through shared memory. Consecutive blocks share one weight tile, so each weight tile is
-/// read from DRAM about once. Where rows of x and w are 16-byte aligned (and the block has at
-/// least 2 groups of 128 threads) the tile runs on tensor cores ([`gemm_mma`]), else (or where
-/// an operand overflows f16) on the f32 loop `gemm_vec`.
+/// The tiled GEMM, one entry point per weight type (ggml type `TY`): `y[t, o] = x[t, :]·w[o, :]
+/// + bias[o]` for `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)`
+/// blocks; block: `128·(1 + T)` threads, `T` producer teams from 1 to 3 (or one group of 128,
+/// the f32 loop alone); shared: `max(17408, T·32768)` bytes.
+///
+/// Block `b` computes the 64×64 output tile at token rows `64·(b % ceil(rows / 64))` and
+/// outputs `64·(b / ceil(rows / 64))`, in K steps of 32 staged through shared memory.
+/// Consecutive blocks share one weight tile, so each weight tile is read from DRAM about once.
+/// Where rows of x and w are 16-byte aligned (and the block has at least 2 groups of 128
+/// threads) the tile runs on tensor cores ([`gemm_mma`]), else (or where an operand overflows
+/// f16) on the f32 loop `gemm_vec`.
 #[inline(always)]
-unsafe fn gemm<W: Weights>(
+pub(crate) unsafe fn gemm<const TY: u32>(p: Gemm)
+where
+    GgmlType<TY>: Format,
+{
+    let Gemm {
+        y,
+        x,
+        w,
+        bias,
+        rows,
+        n_in,
+        n_out,
+    } = p;
+    let w = <GgmlType<TY> as Format>::W::new(w, n_out, n_in);
+    unsafe { gemm_weights(y, x, w, bias, rows, n_in, n_out) }
+}
+
+/// [`gemm`] of weights `w`.
+#[inline(always)]
+unsafe fn gemm_weights<W: Weights>(
     y: *mut f32,
     x: *const f32,
     w: W,
@@ -898,7 +957,7 @@ unsafe fn gemm_vec<W: Weights, const VEC: bool>(y: *mut f32, bias: *const f32, t
     let (rows, n_in, n_out) = (tiles.rows as usize, tiles.n_in, tiles.n_out as usize);
     // Declared as 16-byte elements so that the shared array is 16-byte aligned.
     let xs = shared::<F32x4>() as *mut f32;
-    let ws = unsafe { xs.add(TILE_K * LDS) };
+    let ws = unsafe { xs.add(TILE_K * F32_STRIDE) };
     let t = thread() as usize;
     let live = t < GROUP as usize;
     let (tr, tc) = (8 * (t / 16), 4 * (t % 16));
@@ -925,8 +984,9 @@ unsafe fn gemm_vec<W: Weights, const VEC: bool>(y: *mut f32, bias: *const f32, t
             // Not unrolled (an opaque trip count): the f32 loop only redoes rare tiles, and its
             // registers count for the whole kernel.
             for k in 0..opaque(TILE_K as u32) as usize {
-                let a = [0, 4].map(|i| unsafe { *(xs.add(k * LDS + tr + i) as *const F32x4) }.0);
-                let b = unsafe { *(ws.add(k * LDS + tc) as *const F32x4) }.0;
+                let a =
+                    [0, 4].map(|i| unsafe { *(xs.add(k * F32_STRIDE + tr + i) as *const F32x4) }.0);
+                let b = unsafe { *(ws.add(k * F32_STRIDE + tc) as *const F32x4) }.0;
                 for (i, acc) in acc.iter_mut().enumerate() {
                     for (j, acc) in acc.iter_mut().enumerate() {
                         *acc = fma(a[i / 4][i % 4], b[j], *acc);
@@ -954,18 +1014,11 @@ unsafe fn gemm_vec<W: Weights, const VEC: bool>(y: *mut f32, bias: *const f32, t
     }
 }
 
-/// Bytes of one 64-row tile of a K step in shared memory: 64 rows of 32 halves.
-const MMA_TILE_BYTES: u32 = (TILE_M * TILE_K * 2) as u32;
-/// One K step of 32 in shared memory: the tiles x hi, x lo, w hi, w lo, in that order.
-const MMA_STEP_BYTES: u32 = 4 * MMA_TILE_BYTES;
-/// Slots of K steps in shared memory that each producer team of the tensor-core loop fills in
-/// turn (see [`gemm_mma`]), the most teams, and the slots' named barriers: `MMA_FULL + slot`
-/// (the slot's step is stored) and `MMA_EMPTY + slot` (it has been read), ids 1 to 14 (of 16;
-/// 0 is the block's).
-const MMA_TEAM_SLOTS: u32 = 2;
-const MMA_TEAMS: u32 = 3;
+/// The named barriers of the tensor-core loop's slots (`TEAM_SLOTS` for each of up to
+/// `MAX_TEAMS` teams, see [`gemm_mma`]): `MMA_FULL + slot` (the slot's step is stored) and
+/// `MMA_EMPTY + slot` (it has been read), ids 1 to 14 (of 16; 0 is the block's).
 const MMA_FULL: u32 = 1;
-const MMA_EMPTY: u32 = MMA_FULL + MMA_TEAM_SLOTS * MMA_TEAMS;
+const MMA_EMPTY: u32 = MMA_FULL + TEAM_SLOTS * MAX_TEAMS;
 
 /// Byte offset of halves `8c..8c + 8` (`c` in 0..4) of row `r` in a tile. The four 16-byte
 /// chunks of a row are permuted by `(r / 2) % 4`: the 8 rows that one `ldmatrix` phase reads
@@ -994,14 +1047,14 @@ impl Staged {
             let at = stage + chunk_at(r, k / 8) + 2 * (k % 8);
             let (hi, lo) = split::<4, 2>(v);
             store_shared2(at, hi);
-            store_shared2(at + MMA_TILE_BYTES, lo);
+            store_shared2(at + TILE_BYTES, lo);
         }
         for (p, v) in self.w.iter().enumerate() {
-            let at = stage + 2 * MMA_TILE_BYTES + chunk_at(t / 4 + 32 * p as u32, t % 4);
+            let at = stage + 2 * TILE_BYTES + chunk_at(t / 4 + 32 * p as u32, t % 4);
             let (hi, lo) = split::<8, 4>(v);
             store_shared4(at, hi);
             if w_lo {
-                store_shared4(at + MMA_TILE_BYTES, lo);
+                store_shared4(at + TILE_BYTES, lo);
             }
         }
     }
@@ -1026,17 +1079,17 @@ unsafe extern "C" {
 /// The block's warps specialize, so that waiting on global loads never holds up the products:
 /// warps 0-3, the consumer, multiply the K steps of 32 in order, warp `w` the 32×32 quarter `w`
 /// of the tile (2×4 m16n8 tiles over both k16 halves of every step); each further 4 warps are
-/// a team of producers (`T = blockDim / 128 - 1` teams, at most `MMA_TEAMS`: more warps idle),
+/// a team of producers (`T = blockDim / 128 - 1` teams, at most `MAX_TEAMS`: more warps idle),
 /// team `p` staging the steps `p, p + T, p + 2T, ...` (global loads, dequantization, split)
-/// into its own `MMA_TEAM_SLOTS` shared slots in turn: step `s` goes to slot
-/// `MMA_TEAM_SLOTS·(s % T) + (s / T) % MMA_TEAM_SLOTS`. A slot is handed over by its two named
+/// into its own `TEAM_SLOTS` shared slots in turn: step `s` goes to slot
+/// `TEAM_SLOTS·(s % T) + (s / T) % TEAM_SLOTS`. A slot is handed over by its two named
 /// barriers (`bar.arrive` by the side that is done with it, `bar.sync` by the side that waits
 /// for it); as only one team ever fills it, each barrier's generations alternate between that
 /// team and the consumer (a slot shared by two teams would let one team's wait complete with
 /// the consumer's release meant for the other). So each team waits on its loads (issued before
 /// it waits for its slot) while the consumer multiplies the steps that other teams staged. The
 /// consumer writes the tile out. Block: 128·(1 + T) threads, `T` >= 1; shared:
-/// `T·MMA_TEAM_SLOTS` slots of 4 tiles `[64][32]` f16 (`T`·32768 bytes).
+/// `T·TEAM_SLOTS` slots of 4 tiles `[64][32]` f16 (`T`·32768 bytes).
 ///
 /// An operand of |v| >= 65520 has `hi = inf` (f16 overflow) and makes its sums non-finite: then
 /// `false` is returned (for the whole block), and the caller redoes the tile in f32 (as it
@@ -1046,7 +1099,7 @@ unsafe fn gemm_mma<W: Weights>(y: *mut f32, bias: *const f32, tiles: &Tiles<W>) 
     let base = shared_addr(shared::<F32x4>());
     let t = thread();
     let steps = tiles.n_in.div_ceil(TILE_K as u32);
-    let teams = (block_dim() / GROUP - 1).min(MMA_TEAMS);
+    let teams = (block_dim() / GROUP - 1).min(MAX_TEAMS);
     let mut finite = true;
     if t < GROUP {
         finite = unsafe { mma_consume::<W>(y, bias, tiles, base, steps, teams) };
@@ -1057,11 +1110,11 @@ unsafe fn gemm_mma<W: Weights>(y: *mut f32, bias: *const f32, tiles: &Tiles<W>) 
         while s < steps {
             // The loads first: the wait for the slot, the dequantization and split after.
             let staged = tiles.load::<true>(s * TILE_K as u32, tg);
-            let slot = MMA_TEAM_SLOTS * team + turn % MMA_TEAM_SLOTS;
-            if turn >= MMA_TEAM_SLOTS {
+            let slot = TEAM_SLOTS * team + turn % TEAM_SLOTS;
+            if turn >= TEAM_SLOTS {
                 unsafe { barrier_sync(MMA_EMPTY + slot, 2 * GROUP) };
             }
-            staged.store_split(base + slot * MMA_STEP_BYTES, !W::F16, tg);
+            staged.store_split(base + slot * STEP_BYTES, !W::F16, tg);
             unsafe { barrier_arrive(MMA_FULL + slot, 2 * GROUP) };
             (s, turn) = (s + teams, turn + 1);
         }
@@ -1097,19 +1150,19 @@ unsafe fn mma_consume<W: Weights>(
     // Step `s` is the `turn`-th of team `team`.
     let (mut team, mut turn) = (0, 0);
     for s in 0..steps {
-        let slot = MMA_TEAM_SLOTS * team + turn % MMA_TEAM_SLOTS;
+        let slot = TEAM_SLOTS * team + turn % TEAM_SLOTS;
         (team, turn) = if team + 1 == teams {
             (0, turn + 1)
         } else {
             (team + 1, turn)
         };
         unsafe { barrier_sync(MMA_FULL + slot, 2 * GROUP) };
-        let step = base + slot * MMA_STEP_BYTES;
+        let step = base + slot * STEP_BYTES;
         for h in 0..2 {
             // The k16 half's chunks.
             let half = 32 * h;
             let frags = |tile: u32, at: [u32; 2]| {
-                at.map(|at| ldmatrix4::<false>(step + tile * MMA_TILE_BYTES + (at ^ half)))
+                at.map(|at| ldmatrix4::<false>(step + tile * TILE_BYTES + (at ^ half)))
             };
             let (x_hi, x_lo, w_hi) = (frags(0, x_at), frags(1, x_at), frags(2, w_at));
             for i in 0..2 {
@@ -1130,7 +1183,7 @@ unsafe fn mma_consume<W: Weights>(
             }
         }
         // Only hand back slots that their team waits for, so that every barrier completes.
-        if s + MMA_TEAM_SLOTS * teams < steps {
+        if s + TEAM_SLOTS * teams < steps {
             unsafe { barrier_arrive(MMA_EMPTY + slot, 2 * GROUP) };
         }
     }
@@ -1153,59 +1206,3 @@ unsafe fn mma_consume<W: Weights>(
     }
     finite
 }
-
-/// The two entry points of one weight format `$w`:
-///
-/// `$gemv(y, x, w, bias, n_in, n_out, split)`: `y[o] = w[o, :]·x + bias[o]` for one token;
-/// `bias` may be null. `split` warps per unit of two rows, `32·split >= ceil(n_in / 32)` (each
-/// lane one chunk of 32 weights per row). Grid: any number of blocks (they stride over the
-/// units); block: a multiple of `32·split` threads; shared: 2 f32 per warp.
-///
-/// `$gemm(y, x, w, bias, rows, n_in, n_out)`: `y[t, o] = x[t, :]·w[o, :] + bias[o]` for
-/// `rows` tokens; `bias` may be null. Grid: `ceil(rows / 64) · ceil(n_out / 64)` blocks;
-/// block: `128·(1 + T)` threads, `T` producer teams from 1 to 3; shared:
-/// `max(17408, T·32768)` bytes.
-///
-/// `w`: rows of plain floats aligned to their element size, or a packed quantized matrix
-/// (`orcd::pack`) starting 16-byte aligned.
-macro_rules! matmul_kernels {
-    ($gemv:ident, $gemm:ident, $w:ty) => {
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $gemv(
-            y: *mut f32,
-            x: *const f32,
-            w: *const u8,
-            bias: *const f32,
-            n_in: u32,
-            n_out: u32,
-            split: u32,
-        ) {
-            let w = <$w>::new(w, n_out, n_in);
-            unsafe { gemv(y, x, w, bias, n_in, n_out, split) }
-        }
-
-        #[unsafe(no_mangle)]
-        pub unsafe extern "gpu-kernel" fn $gemm(
-            y: *mut f32,
-            x: *const f32,
-            w: *const u8,
-            bias: *const f32,
-            rows: u32,
-            n_in: u32,
-            n_out: u32,
-        ) {
-            let w = <$w>::new(w, n_out, n_in);
-            unsafe { gemm(y, x, w, bias, rows, n_in, n_out) }
-        }
-    };
-}
-
-matmul_kernels!(gemv_f32, gemm_f32, Plain<f32>);
-matmul_kernels!(gemv_f16, gemm_f16, Plain<f16>);
-matmul_kernels!(gemv_bf16, gemm_bf16, Plain<Bf16>);
-matmul_kernels!(gemv_q4_0, gemm_q4_0, Packed<Q4_0>);
-matmul_kernels!(gemv_q5_0, gemm_q5_0, Packed<Q5_0>);
-matmul_kernels!(gemv_q8_0, gemm_q8_0, Packed<Q8_0>);
-matmul_kernels!(gemv_q4_k, gemm_q4_k, Packed<Q4K>);
-matmul_kernels!(gemv_q5_k, gemm_q5_k, Packed<Q5K>);
-matmul_kernels!(gemv_q6_k, gemm_q6_k, Packed<Q6K>);

@@ -1,16 +1,12 @@
 //! RMSNorm. CPU twin: `orcd::cpu::rms_norm`.
+use crate::params::RmsNorm;
 use crate::util::{block, block_dim, block_sum, thread};
 
 /// `out[r, i] = x[r, i] / sqrt(mean(x[r]^2) + eps) * w[i]` for `n` columns.
 /// Grid: one block per row; block: a multiple of 32 threads; shared: 32 f32.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn rms_norm(
-    out: *mut f32,
-    x: *const f32,
-    w: *const f32,
-    n: u32,
-    eps: f32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn rms_norm(p: RmsNorm) {
+    let RmsNorm { out, x, w, n, eps } = p;
     let row = block() as usize * n as usize;
     let (x, out) = unsafe { (x.add(row), out.add(row)) };
     let mut ss = 0.0f32;

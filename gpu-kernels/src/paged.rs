@@ -7,34 +7,34 @@ use core::arch::nvptx;
 
 use crate::util::{WARP, block, block_dim, exp, shared, sync_threads, thread, warp_max, warp_sum};
 
-/// Query rows of one sequence that a block of `paged_attention` takes at once: they share
-/// every K/V tile it loads.
-pub const ITEM_ROWS: u32 = 8;
+use kernel_abi::paged::{ITEM_ROWS, WARPS};
+
+use crate::params::{GatherRows, PagedAttention, RopeKvPaged};
+
 /// Keys of a tile.
-const TILE: usize = 32;
-/// Warps of a `paged_attention` block.
-const WARPS: u32 = 8;
+const TILE: usize = kernel_abi::paged::TILE as usize;
 
 /// Per row `r`: NeoX RoPE at position `positions[r]` on q's `n_heads` heads (in place) and on
 /// k's `n_kv` heads, then k (rotated) and v stored as f16 in row `slots[r]` of `k_cache,
 /// v_cache = [slots, n_kv * 2 * half]`. Angles from `table = [max_pos, half, 2]` (cos, sin), as
 /// `rope_neox`; a position outside it traps.
 /// Grid: one block per row; block: any multiple of 32 threads; no shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn rope_kv_paged(
-    q: *mut f32,
-    k: *const f32,
-    v: *const f32,
-    k_cache: *mut u16,
-    v_cache: *mut u16,
-    positions: *const u32,
-    slots: *const u32,
-    table: *const f32,
-    n_heads: u32,
-    n_kv: u32,
-    half: u32,
-    max_pos: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn rope_kv_paged(p: RopeKvPaged) {
+    let RopeKvPaged {
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        positions,
+        slots,
+        table,
+        n_heads,
+        n_kv,
+        half,
+        max_pos,
+    } = p;
     let r = block() as usize;
     let (p, slot) = unsafe { (*positions.add(r), *slots.add(r) as usize) };
     if p >= max_pos {
@@ -76,14 +76,6 @@ pub unsafe extern "gpu-kernel" fn rope_kv_paged(
     }
 }
 
-/// The shared memory of a `paged_attention` block, in f32, for head dim `hd` and `vectors`
-/// query vectors (rows × heads of the kv group): K `[TILE][hd + 1]`, V `[TILE][hd]`, the
-/// queries and their running outputs `[vectors][hd]` each, each vector's running max and sum,
-/// and each warp's `TILE` softmax weights. The host computes the same.
-pub const fn attention_shared_floats(hd: u32, vectors: u32) -> u32 {
-    TILE as u32 * (2 * hd + 1) + 2 * vectors * hd + 2 * vectors + WARPS * TILE as u32
-}
-
 /// Causal GQA attention over a paged KV cache, for a batch of query rows of many sequences.
 /// Work item `w` (grid x) is `items[4w..4w + 4] = (first row, rows, position of the first
 /// row, offset of the sequence's block table in tables)`: up to `ITEM_ROWS` consecutive rows
@@ -91,22 +83,23 @@ pub const fn attention_shared_floats(hd: u32, vectors: u32) -> u32 {
 /// in cache row `tables[offset + j / block_tokens] * block_tokens + j % block_tokens` of
 /// `k_cache, v_cache = [slots, n_kv * hd]` (f16). Query head `h` of `q, out = [rows, n_heads
 /// * hd]` reads kv head `h / (n_heads / n_kv)` (grid y). Scores are scaled by `scale`.
-/// Grid: (items, n_kv); block: `WARPS` warps; shared: `attention_shared_floats(hd, ITEM_ROWS *
-/// group)` f32. `hd` <= 128, a multiple of 32.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn paged_attention(
-    out: *mut f32,
-    q: *const f32,
-    k_cache: *const u16,
-    v_cache: *const u16,
-    items: *const u32,
-    tables: *const u32,
-    n_heads: u32,
-    n_kv: u32,
-    hd: u32,
-    block_tokens: u32,
-    scale: f32,
-) {
+/// Grid: (items, n_kv); block: `WARPS` warps; shared: `attention_shared_bytes(hd, group)`.
+/// `hd` <= 128, a multiple of 32.
+#[inline(always)]
+pub(crate) unsafe fn paged_attention(p: PagedAttention) {
+    let PagedAttention {
+        out,
+        q,
+        k_cache,
+        v_cache,
+        items,
+        tables,
+        n_heads,
+        n_kv,
+        hd,
+        block_tokens,
+        scale,
+    } = p;
     let kvh = unsafe { nvptx::_block_idx_y() } as usize;
     let item = unsafe { items.add(4 * block() as usize) };
     let (row0, rows, pos0, table) = unsafe {
@@ -240,15 +233,16 @@ pub unsafe extern "gpu-kernel" fn paged_attention(
 }
 
 /// `out[r] = x[rows[r]]` for rows of `n` floats. Grid: one block per output row.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn gather_rows(
-    out: *mut f32,
-    x: *const f32,
-    rows: *const u32,
-    n: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn gather_rows(p: GatherRows) {
+    let GatherRows { out, x, rows, n } = p;
     let r = block() as usize;
-    let (out, x) = unsafe { (out.add(r * n as usize), x.add(*rows.add(r) as usize * n as usize)) };
+    let (out, x) = unsafe {
+        (
+            out.add(r * n as usize),
+            x.add(*rows.add(r) as usize * n as usize),
+        )
+    };
     let mut i = thread() as usize;
     while i < n as usize {
         unsafe { *out.add(i) = *x.add(i) };

@@ -17,23 +17,14 @@
 use core::marker::PhantomData;
 
 use crate::matmul::{Align16, Held, Weights, with_weights};
+use crate::params::{DequantizeF16, Embed, HighBytes};
 use crate::util::{
     allow_next_grid, block, block_dim, f16_to_f32, f16x2, fma, grid_dim, load_streaming, thread,
     wait_prior_grids,
 };
 
-/// ggml type ids: the discriminants of `orcd::quant::GgmlType`.
-pub mod id {
-    pub const F32: u32 = 0;
-    pub const F16: u32 = 1;
-    pub const Q4_0: u32 = 2;
-    pub const Q5_0: u32 = 6;
-    pub const Q8_0: u32 = 8;
-    pub const Q4_K: u32 = 12;
-    pub const Q5_K: u32 = 13;
-    pub const Q6_K: u32 = 14;
-    pub const BF16: u32 = 30;
-}
+/// ggml type ids, as the kernels' `ty` parameters take them (`kernel_abi::ggml`).
+pub use kernel_abi::ggml as id;
 
 /// 2^23: `f32::from_bits(MAGIC_BITS | n)` is `MAGIC + n` for `n < 2^23`, so subtracting
 /// `MAGIC + z` gives `n - z` exactly.
@@ -413,9 +404,8 @@ impl<P: Packing> Weights for Packed<P> {
     /// most 16·255·16,512 plus `z·Σ`), then times `unit` and the half's scale.
     #[inline(always)]
     fn dot_digits(ch: &Chunk, x: &Held) -> f32 {
-        let acc = x.digit_dots(|j| {
-            Self::quant_bytes(ch.lo[j], ch.hi[j * P::BITS as usize / 4], j as u32)
-        });
+        let acc = x
+            .digit_dots(|j| Self::quant_bytes(ch.lo[j], ch.hi[j * P::BITS as usize / 4], j as u32));
         let ([s0x, s1x], unit) = (x.digit_sums(), x.unit());
         let z = P::ZERO as i32;
         let half = |h: i32, l: i32, sum: i32| (256 * h + l - z * sum) as f32 * unit;
@@ -484,8 +474,9 @@ pub const DIGIT_RADIUS: f32 = 515.0;
 /// n`: the plane greedy decoding's first pass reads of an f16 vocabulary projection
 /// (`decode::F16Sketch`). Grid: any (blocks stride over the elements); block: any size.
 /// Twin: `w >> 8` (`orcd::cpu::logit_bounds_f16` takes the high bytes so).
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn high_bytes(out: *mut u8, w: *const u16, n: u32) {
+#[inline(always)]
+pub(crate) unsafe fn high_bytes(p: HighBytes) {
+    let HighBytes { out, w, n } = p;
     let stride = grid_dim() * block_dim();
     let mut i = block() * block_dim() + thread();
     while i < n {
@@ -502,18 +493,18 @@ pub unsafe extern "gpu-kernel" fn high_bytes(out: *mut u8, w: *const u16, n: u32
 /// It may overlap the kernel before it, which may write `pos` and `tokens` (a decode step's
 /// last): nothing is read before the wait. Grid: one block per token; block: any size; no
 /// shared memory.
-#[unsafe(no_mangle)]
-#[allow(clippy::too_many_arguments)]
-pub unsafe extern "gpu-kernel" fn embed(
-    out: *mut f32,
-    table: *const u8,
-    ty: u32,
-    tokens: *const u32,
-    pos: *const u32,
-    n_ids: u32,
-    n_rows: u32,
-    hidden: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn embed(p: Embed) {
+    let Embed {
+        out,
+        table,
+        ty,
+        tokens,
+        pos,
+        n_ids,
+        n_rows,
+        hidden,
+    } = p;
     wait_prior_grids();
     allow_next_grid();
     let first = if pos.is_null() { 0 } else { unsafe { *pos } };
@@ -554,14 +545,15 @@ pub unsafe extern "gpu-kernel" fn embed(
 /// whole blocks of 32 or 256), `out` 16-byte aligned (checked by the host). Grid: any (blocks
 /// stride over the groups of 8 weights); block: any size; no shared memory.
 /// Twin: `orcd::quant::dequantize_f16` (the same weights, `load8`'s, and the same rounding).
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn dequantize_f16(
-    out: *mut u32,
-    w: *const u8,
-    ty: u32,
-    rows: u32,
-    n_in: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn dequantize_f16(p: DequantizeF16) {
+    let DequantizeF16 {
+        out,
+        w,
+        ty,
+        rows,
+        n_in,
+    } = p;
     let per_row = (n_in / 8) as usize;
     let stride = grid_dim() as usize * block_dim() as usize;
     with_weights!(crate::matmul::family::ANY, ty, W => {

@@ -1,6 +1,7 @@
 //! NeoX rotary embedding. CPU twin: `orcd::cpu::rope_neox`.
 use core::arch::nvptx;
 
+use crate::params::RopeNeox;
 use crate::util::{block, block_dim, thread};
 
 /// In place on `x = [rows, n_heads * 2 * half]`: in each head, element `i < half` rotates with
@@ -9,16 +10,17 @@ use crate::util::{block, block_dim, thread};
 /// and CPU agree bit for bit. Traps when a position is outside the table.
 /// Grid: `ceil(rows * n_heads * half / blockDim)` blocks, one thread per rotated pair;
 /// no shared memory.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn rope_neox(
-    x: *mut f32,
-    pos: *const u32,
-    table: *const f32,
-    rows: u32,
-    n_heads: u32,
-    half: u32,
-    max_pos: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn rope_neox(p: RopeNeox) {
+    let RopeNeox {
+        x,
+        pos,
+        table,
+        rows,
+        n_heads,
+        half,
+        max_pos,
+    } = p;
     let p0 = unsafe { *pos };
     if p0 > max_pos - rows {
         unsafe { nvptx::trap() };

@@ -10,9 +10,10 @@
 use crate::sampling::{block_best, key, scan_best, uniform};
 use crate::util::{block, block_dim, block_sum, exp, sync_threads, thread};
 
-/// Words of a row's parameters: temperature, top_k, top_p, min_p (f32 bits where floats), the
-/// seed's and the draw's low and high halves, the row's first penalty and their count.
-pub const PARAM_WORDS: usize = 10;
+use kernel_abi::sampling::ROW_PARAM_WORDS as PARAM_WORDS;
+
+use crate::params::SampleRows;
+
 /// The key of the lowest finite logit: -inf (and NaN, key 0) are never candidates.
 const KEY_MIN: u32 = 0x0080_0000;
 
@@ -153,16 +154,17 @@ impl Row {
 /// the row's `params[PARAM_WORDS * r..]` (temperature 0: the arg-max). Logits are penalised in
 /// place. Grid: one block per row; block: a multiple of 32 threads, at most 512; shared:
 /// 32 f32 + 32 u32.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample_rows(
-    out: *mut u32,
-    logits: *mut f32,
-    n: u32,
-    params: *const u32,
-    pen_ids: *const u32,
-    pen_scale: *const f32,
-    pen_sub: *const f32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample_rows(p: SampleRows) {
+    let SampleRows {
+        out,
+        logits,
+        n,
+        params,
+        pen_ids,
+        pen_scale,
+        pen_sub,
+    } = p;
     let r = block() as usize;
     let x = unsafe { logits.add(r * n as usize) };
     let w = |i: usize| unsafe { *params.add(PARAM_WORDS * r + i) };
@@ -228,7 +230,8 @@ pub unsafe extern "gpu-kernel" fn sample_rows(
         // min-p keeps the weights of at least min_p times the largest (1).
         row.floor = min_p;
         let total = row.sum(p, Order::Scaled, KEY_MIN, u32::MAX).1;
-        row.cut(p, Order::Scaled, uniform(seed, draw) * total, false).i
+        row.cut(p, Order::Scaled, uniform(seed, draw) * total, false)
+            .i
     };
     if thread() == 0 {
         unsafe { *out.add(r) = token };

@@ -9,6 +9,14 @@
 //! ends the steps there: softmax, sort, top-p, min-p and the draw.
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
+// The most candidates top-k keeps (`MAX_K`), and the layout of the shared memory, in 4-byte
+// words: [0, 64) block reductions (`block_sum`, `block_best`), then scalars passed between
+// threads (`VARS`), two sets of per-warp counts (`WARP_COUNTS`), the radix histogram (`HIST`,
+// `BINS`) and (in `sample` only) the candidates (value, id: `CAND_V`, `CAND_I`). The host sizes
+// the shared memory from the same layout.
+use kernel_abi::sampling::{BINS, CAND_I, CAND_V, HIST, MAX_K, VARS, WARP_COUNTS};
+
+use crate::params::{Argmax, Sample, SampleCandidates, SampleDev};
 use crate::util::{
     WARP, ballot, better, block, block_dim, block_sum, from_lane, shared, sync_threads, thread,
     warp_argmax,
@@ -24,27 +32,15 @@ unsafe extern "C" {
 /// Index of the largest of `n` floats; the first index wins on ties, NaN never wins
 /// (all NaN gives `u32::MAX`). Grid: one block; block: a multiple of 32 threads, at most 1024;
 /// shared: 32 f32 + 32 u32.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn argmax(out: *mut u32, x: *const f32, n: u32) {
+#[inline(always)]
+pub(crate) unsafe fn argmax(p: Argmax) {
+    let Argmax { out, x, n } = p;
     let (_, i) = scan_best(x, n);
     if thread() == 0 {
         unsafe { *out = i };
     }
 }
 
-/// The most candidates top-k keeps: the shared candidate arrays' length.
-const MAX_K: u32 = 1024;
-/// Shared memory, in 4-byte words: [0, 64) block reductions (`block_sum`, `block_best`), then
-/// scalars passed between threads, two sets of per-warp counts, the radix histogram and (in
-/// `sample` only) the candidates (value, id): 2208 words in `sample_candidates`, 4256 in
-/// `sample`, numbers the host's launch code repeats. The penalty's bitmap of a slice's bits
-/// reuses it from word 0 before any of these is live.
-const VARS: usize = 64;
-const WARP_COUNTS: usize = 96;
-const HIST: usize = 160;
-const BINS: u32 = 2048;
-const CAND_V: usize = HIST + BINS as usize;
-const CAND_I: usize = CAND_V + MAX_K as usize;
 /// Slots in VARS.
 const DIGIT: usize = 0;
 const REMAINING: usize = 1;
@@ -60,21 +56,22 @@ const NONE: u32 = u32::MAX;
 /// not null (then `pos[0] >= n_tokens` traps); the window is the last `last_n` of them.
 /// Grid: `ceil(n / slice)` blocks or more; block: a power of two from 64 to 1024 threads;
 /// shared: 4 * max(2208, ceil(slice / 32)) bytes.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample_candidates(
-    cand_v: *mut f32,
-    cand_i: *mut u32,
-    cap: u32,
-    logits: *mut f32,
-    n: u32,
-    slice: u32,
-    tokens: *const u32,
-    n_tokens: u32,
-    pos: *const u32,
-    last_n: u32,
-    penalty: f32,
-    k: u32,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample_candidates(p: SampleCandidates) {
+    let SampleCandidates {
+        cand_v,
+        cand_i,
+        cap,
+        logits,
+        n,
+        slice,
+        tokens,
+        n_tokens,
+        pos,
+        last_n,
+        penalty,
+        k,
+    } = p;
     let end = if pos.is_null() {
         n_tokens
     } else {
@@ -113,19 +110,20 @@ pub unsafe extern "gpu-kernel" fn sample_candidates(
 /// `k`, and the draw `uniform(seed, step)`. `temperature` 0 is greedy: `k` must be 1 then;
 /// otherwise `k` is `top_k`, in 1..=1024.
 /// Grid: one block; block: a power of two from 64 to 1024 threads; shared: 4 * 4256 bytes.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample(
-    out: *mut u32,
-    cand_v: *const f32,
-    cand_i: *const u32,
-    slots: u32,
-    k: u32,
-    temperature: f32,
-    top_p: f32,
-    min_p: f32,
-    seed: u64,
-    step: u64,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample(p: Sample) {
+    let Sample {
+        out,
+        cand_v,
+        cand_i,
+        slots,
+        k,
+        temperature,
+        top_p,
+        min_p,
+        seed,
+        step,
+    } = p;
     let token = choose(
         cand_v,
         cand_i,
@@ -148,22 +146,23 @@ pub unsafe extern "gpu-kernel" fn sample(
 /// `tokens[pos[0] + 1]` (the next step's input; not written when that is past `n_tokens`, the
 /// buffer's length), then `pos[0]` and `step[0]` advance by one. `pos[0] >= n_tokens` traps.
 /// Grid, block and shared memory as `sample`.
-#[unsafe(no_mangle)]
-pub unsafe extern "gpu-kernel" fn sample_dev(
-    out: *mut u32,
-    cand_v: *const f32,
-    cand_i: *const u32,
-    slots: u32,
-    k: u32,
-    tokens: *mut u32,
-    n_tokens: u32,
-    pos: *mut u32,
-    step: *mut u64,
-    temperature: f32,
-    top_p: f32,
-    min_p: f32,
-    seed: u64,
-) {
+#[inline(always)]
+pub(crate) unsafe fn sample_dev(p: SampleDev) {
+    let SampleDev {
+        out,
+        cand_v,
+        cand_i,
+        slots,
+        k,
+        tokens,
+        n_tokens,
+        pos,
+        step,
+        temperature,
+        top_p,
+        min_p,
+        seed,
+    } = p;
     let (p0, draw) = unsafe { (*pos, *step) };
     if p0 >= n_tokens {
         unsafe { core::arch::nvptx::trap() };
@@ -533,9 +532,8 @@ fn gather(
         // This warp's share, from its lane of the others' counts.
         let rank = from_lane(at_before, warp) + (at_votes & below).count_ones();
         let keep = above || (at && rank < need);
-        let slot = written
-            + from_lane(kept_upto - kept, warp)
-            + (ballot(keep) & below).count_ones();
+        let slot =
+            written + from_lane(kept_upto - kept, warp) + (ballot(keep) & below).count_ones();
         if keep && slot < cap {
             unsafe {
                 *out_v.add(slot as usize) = v;

@@ -2,7 +2,7 @@
 use core::arch::{asm, nvptx};
 use core::sync::atomic::{AtomicU32, Ordering::Relaxed};
 
-pub const WARP: u32 = 32;
+pub use kernel_abi::WARP;
 const FULL_MASK: u32 = 0xffff_ffff;
 
 unsafe extern "C" {

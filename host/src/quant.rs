@@ -35,23 +35,25 @@
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use kernel_abi::ggml;
 use rayon::prelude::*;
 
 use crate::{Error, Result};
 
-/// A ggml tensor type this engine knows. The discriminants are ggml's type ids.
+/// A ggml tensor type this engine knows. The discriminants are ggml's type ids, as the kernels
+/// take them (`kernel_abi::ggml`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[repr(u32)]
 pub enum GgmlType {
-    F32 = 0,
-    F16 = 1,
-    Q4_0 = 2,
-    Q5_0 = 6,
-    Q8_0 = 8,
-    Q4K = 12,
-    Q5K = 13,
-    Q6K = 14,
-    BF16 = 30,
+    F32 = ggml::F32,
+    F16 = ggml::F16,
+    Q4_0 = ggml::Q4_0,
+    Q5_0 = ggml::Q5_0,
+    Q8_0 = ggml::Q8_0,
+    Q4K = ggml::Q4_K,
+    Q5K = ggml::Q5_K,
+    Q6K = ggml::Q6_K,
+    BF16 = ggml::BF16,
 }
 
 impl GgmlType {
@@ -72,15 +74,15 @@ impl GgmlType {
     pub fn from_id(id: u32) -> Option<Self> {
         use GgmlType::*;
         Some(match id {
-            0 => F32,
-            1 => F16,
-            2 => Q4_0,
-            6 => Q5_0,
-            8 => Q8_0,
-            12 => Q4K,
-            13 => Q5K,
-            14 => Q6K,
-            30 => BF16,
+            ggml::F32 => F32,
+            ggml::F16 => F16,
+            ggml::Q4_0 => Q4_0,
+            ggml::Q5_0 => Q5_0,
+            ggml::Q8_0 => Q8_0,
+            ggml::Q4_K => Q4K,
+            ggml::Q5_K => Q5K,
+            ggml::Q6_K => Q6K,
+            ggml::BF16 => BF16,
             _ => return None,
         })
     }

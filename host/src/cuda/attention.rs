@@ -2,28 +2,20 @@
 //! Every kernel reads the current position from a one-element device buffer `pos`, so a
 //! captured CUDA graph replays for any position; the kernels trap (a CUDA error at the next
 //! synchronisation) when `pos` puts a row past the cache or the RoPE table.
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg};
+use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
+use super::kernels::{AttentionDecode, AttentionPrefill, DevPtr, DevPtrMut, KvAppend, RopeNeox};
 use super::{BLOCK, Device, check, u32_of};
 use crate::{Error, Result, cpu};
 
-/// Threads per block of both attention kernels: 8 warps.
-const ATTN_THREADS: u32 = 256;
-/// Query rows per block of the prefill kernel.
-const PREFILL_ROWS: usize = 64;
-/// Shared memory of the prefill kernel: one round of K and V tiles as f16 halves.
-const PREFILL_SHARED_BYTES: u32 = 32768;
-/// Shared memory of the decode kernel, for head dims padded to 128: K `[32][132]`, V
-/// `[32][128]`, 8 queries of 128 and 8 × 32 weights, f32.
-const DECODE_SHARED_BYTES: u32 = ((32 * 132 + 32 * 128 + 8 * 128 + 8 * 32) * 4) as u32;
-/// The kernels keep a head's output dims in registers, four per lane.
-const MAX_HEAD_DIM: usize = 128;
-/// Key slices of the decode kernel (its grid's y, at most 64). With the model's 2 kv heads
-/// that is 128 blocks, about one per SM of an H100, each slice whole tiles of 32 keys: up to
-/// 2048 keys every block has one tile, at 8192 four.
-const DECODE_SPLITS: usize = 64;
-/// Query heads of a decode block, one per warp (larger kv groups take several blocks).
-const DECODE_HEADS: usize = 8;
+// The kernels' block, rows of a prefill block, shared memory, largest head dim, the decode
+// kernel's key slices (with the model's 2 kv heads, 128 blocks: about one per SM of an H100,
+// each slice whole tiles of 32 keys, so up to 2048 keys every block has one tile, at 8192
+// four) and its query heads per block.
+use kernel_abi::attention::{
+    DECODE_HEADS, DECODE_SHARED_BYTES, DECODE_SPLITS, MAX_HEAD_DIM, PREFILL_ROWS,
+    PREFILL_SHARED_BYTES, THREADS,
+};
 
 /// What the decode attention (`Device::attention_decode`) adds its key slices into, for
 /// `n_heads` query heads of `head_dim`: per head its unnormalised output and its softmax's
@@ -119,23 +111,22 @@ impl Device {
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let stream = self.stream();
-        let (xp, _x) = x.device_ptr_mut(stream);
-        let (pp, _p) = pos.device_ptr(stream);
-        let (tp, _t) = table.device_ptr(stream);
-        let mut l = stream.launch_builder(self.kernel("rope_neox"));
-        l.arg(&xp)
-            .arg(&pp)
-            .arg(&tp)
-            .arg(&rows)
-            .arg(&n_heads)
-            .arg(&half)
-            .arg(&max_pos);
-        // SAFETY: parameters (f32*, const u32*, const f32*, u32, u32, u32, u32). One thread per
-        // pair of the `rows * n_heads * half` pairs of x; table rows pos[0]..pos[0] + rows are
-        // below max_pos or the kernel traps.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
+        let s = self.stream();
+        let (x, _x) = DevPtrMut::of(x, s);
+        let (pos, _p) = DevPtr::of(pos, s);
+        let (table, _t) = DevPtr::of(table, s);
+        let p = RopeNeox {
+            x,
+            pos,
+            table,
+            rows,
+            n_heads,
+            half,
+            max_pos,
+        };
+        // SAFETY: one thread per pair of the `rows * n_heads * half` pairs of x; table rows
+        // pos[0]..pos[0] + rows are below max_pos or the kernel traps.
+        unsafe { p.launch(self, RopeNeox::rope_neox, cfg, false) }
     }
 
     /// Copies `k, v = [rows, kv_dim]` into rows `pos[0]..pos[0] + rows` of
@@ -169,20 +160,25 @@ impl Device {
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let stream = self.stream();
-        let (kc, _kc) = k_cache.device_ptr_mut(stream);
-        let (vc, _vc) = v_cache.device_ptr_mut(stream);
-        let (kp, _k) = k.device_ptr(stream);
-        let (vp, _v) = v.device_ptr(stream);
-        let (pp, _p) = pos.device_ptr(stream);
-        let mut l = stream.launch_builder(self.kernel("kv_append"));
-        l.arg(&kc).arg(&vc).arg(&kp).arg(&vp).arg(&pp);
-        l.arg(&rows).arg(&kv_dim).arg(&max_pos);
-        // SAFETY: parameters (f32*, f32*, const f32*, const f32*, const u32*, u32, u32, u32).
-        // Reads rows * kv_dim of k and v; writes cache rows pos[0]..pos[0] + rows, below
-        // max_pos or the kernel traps.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
+        let s = self.stream();
+        let (k_cache, _kc) = DevPtrMut::of(k_cache, s);
+        let (v_cache, _vc) = DevPtrMut::of(v_cache, s);
+        let (k, _k) = DevPtr::of(k, s);
+        let (v, _v) = DevPtr::of(v, s);
+        let (pos, _p) = DevPtr::of(pos, s);
+        let p = KvAppend {
+            k_cache,
+            v_cache,
+            k,
+            v,
+            pos,
+            rows,
+            kv_dim,
+            max_pos,
+        };
+        // SAFETY: reads rows * kv_dim of k and v; writes cache rows pos[0]..pos[0] + rows,
+        // below max_pos or the kernel traps.
+        unsafe { p.launch(self, KvAppend::kv_append, cfg, false) }
     }
 
     /// Causal GQA attention of `q = [rows, n_heads * head_dim]`, row `t` at position
@@ -207,36 +203,34 @@ impl Device {
         )?;
         check(out.len() == q.len(), "attention: shapes of q and out")?;
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let stream = self.stream();
-        let (op, _o) = out.device_ptr_mut(stream);
-        let (qp, _q) = q.device_ptr(stream);
-        let (kc, _k) = k_cache.device_ptr(stream);
-        let (vc, _v) = v_cache.device_ptr(stream);
-        let (pp, _p) = pos.device_ptr(stream);
+        let s = self.stream();
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (q, _q) = DevPtr::of(q, s);
+        let (k_cache, _k) = DevPtr::of(k_cache, s);
+        let (v_cache, _v) = DevPtr::of(v_cache, s);
+        let (pos, _p) = DevPtr::of(pos, s);
         let cfg = LaunchConfig {
-            grid_dim: (rows.div_ceil(PREFILL_ROWS) as u32, n_heads as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            grid_dim: ((rows as u32).div_ceil(PREFILL_ROWS), n_heads as u32, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: PREFILL_SHARED_BYTES,
         };
-        let (rows, n_heads, n_kv, hd) = (
-            rows as u32,
-            n_heads as u32,
-            n_kv_heads as u32,
-            head_dim as u32,
-        );
-        let mut l = self.launch("attention_prefill");
-        l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&pp).arg(&rows);
-        l.arg(&n_heads)
-            .arg(&n_kv)
-            .arg(&hd)
-            .arg(&max_pos)
-            .arg(&scale);
-        // SAFETY: parameters (f32*, const f32*, const f32*, const f32*, const u32*, u32, u32,
-        // u32, u32, u32, f32) as the kernel declares them. q and out hold rows * n_heads *
-        // head_dim; the kernel reads cache rows 0..pos[0] + rows, below max_pos or it traps.
-        // 256 threads and the shared memory its doc asks for.
-        unsafe { l.run(cfg, false) }?;
-        Ok(())
+        let p = AttentionPrefill {
+            out,
+            q,
+            k_cache,
+            v_cache,
+            pos,
+            rows: rows as u32,
+            n_heads: n_heads as u32,
+            n_kv: n_kv_heads as u32,
+            head_dim: head_dim as u32,
+            max_pos,
+            scale,
+        };
+        // SAFETY: q and out hold rows * n_heads * head_dim; the kernel reads cache rows
+        // 0..pos[0] + rows, below max_pos or it traps. 256 threads and the shared memory its
+        // doc asks for.
+        unsafe { p.launch(self, AttentionPrefill::attention_prefill, cfg, false) }
     }
 
     /// The attention of one query row `q = [n_heads * head_dim]` at position `pos[0]` over
@@ -260,43 +254,45 @@ impl Device {
         let (n_heads, hd) = (sums.n_heads, sums.head_dim);
         let max_pos = check_attention(q, k_cache, v_cache, pos, 1, n_heads, n_kv_heads, hd)?;
         let scale = 1.0 / (hd as f32).sqrt();
-        let stream = self.stream();
-        let (sp, _s) = sums.sums.device_ptr_mut(stream);
-        let (qp, _q) = q.device_ptr(stream);
-        let (kc, _k) = k_cache.device_ptr(stream);
-        let (vc, _v) = v_cache.device_ptr(stream);
-        let (pp, _p) = pos.device_ptr(stream);
+        let s = self.stream();
+        let (sums, _s) = DevPtrMut::of(&mut sums.sums, s);
+        let (q, _q) = DevPtr::of(q, s);
+        let (k_cache, _k) = DevPtr::of(k_cache, s);
+        let (v_cache, _v) = DevPtr::of(v_cache, s);
+        let (pos, _p) = DevPtr::of(pos, s);
         // The group's heads, one per warp, in as few blocks as hold them (`per_kv` as the
         // kernel computes it).
-        let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS);
-        let vec = hd == 64 && [sp, qp, kc, vc].iter().all(|p| p % 16 == 0);
-        let name = if vec {
-            "attention_decode_hd64"
+        let per_kv = (n_heads / n_kv_heads).div_ceil(DECODE_HEADS as usize);
+        let aligned = sums.is_aligned(16) && [q, k_cache, v_cache].iter().all(|p| p.is_aligned(16));
+        // Keyed by the head dim the kernel pads to.
+        let entry = if hd == 64 && aligned {
+            AttentionDecode::attention_decode_hd64
         } else {
-            "attention_decode"
+            AttentionDecode::attention_decode
         };
         let cfg = LaunchConfig {
-            grid_dim: ((n_kv_heads * per_kv) as u32, DECODE_SPLITS as u32, 1),
-            block_dim: (ATTN_THREADS, 1, 1),
+            grid_dim: ((n_kv_heads * per_kv) as u32, DECODE_SPLITS, 1),
+            block_dim: (THREADS, 1, 1),
             shared_mem_bytes: DECODE_SHARED_BYTES,
         };
-        let (n_heads, n_kv, hd) = (n_heads as u32, n_kv_heads as u32, hd as u32);
-        let mut l = self.launch(name);
-        l.arg(&sp).arg(&qp).arg(&kc).arg(&vc).arg(&pp);
-        l.arg(&n_heads)
-            .arg(&n_kv)
-            .arg(&hd)
-            .arg(&max_pos)
-            .arg(&scale);
-        // SAFETY: parameters (f64*, const f32*, const f32*, const f32*, const u32*, u32, u32,
-        // u32, u32, f32) as the kernels declare them. q holds n_heads * head_dim and sums
-        // n_heads * (head_dim + 1) (the sums' shape is theirs); the kernel reads cache rows
-        // 0..=pos[0], below max_pos or it traps. 256 threads and the shared memory the
-        // kernels' doc asks for. It reads only `pos` and the cache rows before pos[0] before
-        // it calls `wait_prior_grids`, so it may overlap a kernel before it that writes neither
-        // (the decode step's attn_qkv writes row pos[0]).
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        let p = AttentionDecode {
+            sums,
+            q,
+            k_cache,
+            v_cache,
+            pos,
+            n_heads: n_heads as u32,
+            n_kv: n_kv_heads as u32,
+            head_dim: hd as u32,
+            max_pos,
+            scale,
+        };
+        // SAFETY: q holds n_heads * head_dim and sums n_heads * (head_dim + 1) (the sums'
+        // shape is theirs); the kernel reads cache rows 0..=pos[0], below max_pos or it traps.
+        // 256 threads and the shared memory the kernels' doc asks for. It reads only `pos` and
+        // the cache rows before pos[0] before it calls `wait_prior_grids`, so it may overlap a
+        // kernel before it that writes neither (the decode step's attn_qkv writes row pos[0]).
+        unsafe { p.launch(self, entry, cfg, true) }
     }
 }
 
@@ -331,7 +327,7 @@ fn check_attention(
 }
 
 fn check_head_dim(head_dim: usize) -> Result<()> {
-    if head_dim == 0 || head_dim > MAX_HEAD_DIM {
+    if head_dim == 0 || head_dim > MAX_HEAD_DIM as usize {
         return Err(Error::Invalid(format!(
             "attention: head_dim {head_dim} is not supported (1..={MAX_HEAD_DIM})"
         )));

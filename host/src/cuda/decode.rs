@@ -5,8 +5,13 @@
 //! in its own format (packed quantized chunks, or plain floats).
 use cudarc::driver::sys::CUdevice_attribute;
 use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
+use kernel_abi::{family, gemv};
 
-use super::matmul::{GpuMatrix, gemv_split, one_per_element};
+use super::kernels::{
+    ArgmaxBounded, AttnOutput, AttnQkv, DevPtr, DevPtrMut, Entry, FfnGateUp, GemvResidual,
+    HighBytes, LogitBounds, Logits,
+};
+use super::matmul::{GpuMatrix, entry_of, gemv_split, one_per_element};
 use super::{AttentionSums, Device, allow_shared, check, u32_of};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
@@ -30,8 +35,8 @@ fn check_matrix(w: &GpuMatrix, n_out: usize, n_in: usize, what: &str) -> Result<
 }
 
 /// An error unless every pointer is 16-byte aligned.
-fn check_aligned(ptrs: &[u64], what: &str) -> Result<()> {
-    if ptrs.iter().all(|p| p % ALIGN == 0) {
+fn check_aligned<T>(ptrs: &[DevPtr<T>], what: &str) -> Result<()> {
+    if ptrs.iter().all(|p| p.is_aligned(ALIGN)) {
         Ok(())
     } else {
         Err(Error::Invalid(format!(
@@ -55,30 +60,17 @@ fn split_of(n_in: usize, what: &str) -> Result<u32> {
     })
 }
 
-/// The kernel family of `ty` (gpu-kernels' `matmul::family`): its plain float type, or for the
-/// quantized types "legacy" (blocks of 32 weights) or "kquant" (super-blocks of 256).
-fn family(ty: GgmlType) -> &'static str {
-    use GgmlType::*;
-    match ty {
-        F32 => "f32",
-        F16 => "f16",
-        BF16 => "bf16",
-        Q4_0 | Q5_0 | Q8_0 => "legacy",
-        Q4K | Q5K | Q6K => "kquant",
-    }
+/// The weight family of `ty` (`kernel_abi::family`), which keys the decode kernels: one build
+/// per family keeps each kernel's registers to what its own types need.
+fn family(ty: GgmlType) -> u32 {
+    family::of(ty as u32)
 }
 
-/// The bounded arg-max's kernel for pass `pass` over a matrix of `ty`: built once per type it
-/// serves (q8_0, f16), not per family.
-fn bounded_kernel(pass: &str, ty: GgmlType) -> String {
-    format!("{pass}_{}", ty.name())
-}
-
-/// The input vector of `Device::residual`'s kernels: floats and a bias (or 0), or the decode
-/// attention's sums and head_dim (device pointers).
+/// The input vector of `Device::residual`'s kernels: floats and a bias (or null), or the
+/// decode attention's sums and head_dim.
 enum Input {
-    Floats(u64, u64),
-    Sums(u64, u32),
+    Floats(DevPtr<f32>, DevPtr<f32>),
+    Sums(DevPtr<f64>, u32),
 }
 
 /// Whether `ty` is a quantized (packed) type.
@@ -86,23 +78,16 @@ fn packed(ty: GgmlType) -> bool {
     ty.block_elems() > 1
 }
 
-/// The decode kernel `base` built for the family of `ty` (one build per family keeps each
-/// kernel's registers to what its own types need).
-fn family_kernel(base: &str, ty: GgmlType) -> String {
-    format!("{base}_{}", family(ty))
-}
-
 /// Shared memory of a GEMV kernel (these and matmul.rs's) with `threads` per block that stages
-/// a vector of `staged` (0: none): the slots of its reductions (the norm's block sum, 32 f32,
-/// and the warps' meetings, 2 f32 per warp, which also hold the arg-max's u64), 16-byte
-/// aligned, then the vector in chunks of 32 with their halves' sums (36 f32 each; gpu-kernels'
-/// `matmul::stage`, which the kernels with an RMSNorm use).
+/// a vector of `staged` (0: none): the slots of its reductions (the norm's block sum and the
+/// warps' meetings, which also hold the arg-max's u64), then the vector
+/// (`kernel_abi::gemv::shared_bytes`).
 fn gemv_shared(threads: u32, staged: usize) -> Result<u32> {
-    let slots = (threads / 32 * 2).max(32).next_multiple_of(4) * 4;
-    u32_of(
-        slots as usize + staged.div_ceil(32) * 36 * 4,
-        "GEMV shared memory",
-    )
+    // Rows longer than 32 warps' chunks never reach a GEMV kernel: no overflow.
+    Ok(gemv::shared_bytes(
+        threads,
+        u32_of(staged, "GEMV shared memory")?,
+    ))
 }
 
 /// How a GEMV kernel (these and matmul.rs's) is launched for `units` units of `split` warps.
@@ -138,16 +123,24 @@ impl<'a> StepEnd<'a> {
     }
 
     /// The kernel's (tokens, n_tokens, pos, step), and what keeps them until the launch.
-    fn ptrs<'s>(self, s: &'s CudaStream) -> ((u64, u32, u64, u64), [SyncOnDrop<'s>; 3])
+    fn ptrs<'s>(self, s: &'s CudaStream) -> (StepPtrs, [SyncOnDrop<'s>; 3])
     where
         'a: 's,
     {
         let n = self.tokens.len() as u32;
-        let (t, tg) = self.tokens.device_ptr_mut(s);
-        let (p, pg) = self.pos.device_ptr_mut(s);
-        let (st, sg) = self.step.device_ptr_mut(s);
+        let (t, tg) = DevPtrMut::of(self.tokens, s);
+        let (p, pg) = DevPtrMut::of(self.pos, s);
+        let (st, sg) = DevPtrMut::of(self.step, s);
         ((t, n, p, st), [tg, pg, sg])
     }
+}
+
+/// The kernels' (tokens, n_tokens, pos, step) of a step's end; null, 0, null, null for none.
+type StepPtrs = (DevPtrMut<u32>, u32, DevPtrMut<u32>, DevPtrMut<u64>);
+
+/// No step's end.
+fn no_step_end() -> StepPtrs {
+    (DevPtrMut::null(), 0, DevPtrMut::null(), DevPtrMut::null())
 }
 
 impl Device {
@@ -183,15 +176,15 @@ impl Device {
     /// copies of the vector read from L2 (rows of 4864 floats, FFN down: 448 blocks read 8.7 MB
     /// of it, 112 blocks 2.2 MB); and a small matrix does better on fewer SMs in larger blocks
     /// than on every SM (H100, wo: 56 blocks of 8 warps +1.5% decode over 112 of 4).
-    fn staged_geometry(
+    fn staged_geometry<K>(
         &self,
-        name: &str,
+        entry: Entry<K>,
         units: usize,
         split: u32,
         staged: usize,
     ) -> Result<Geometry> {
         let sms = self.sm_count()? as usize;
-        let f = self.kernel(name);
+        let f = self.function(entry);
         // Units >= 1 (the callers return early for none), so blocks have one or more.
         for per_sm in 1..=4 {
             let per_block = units
@@ -217,10 +210,10 @@ impl Device {
         self.geometry(units, split, staged)
     }
 
-    /// The launch of GEMV kernel `name` with `blocks` blocks of `g`, its shared memory allowed
-    /// where it is more than a block gets without asking.
-    fn gemv_launch(&self, name: &str, g: &Geometry, blocks: u32) -> Result<LaunchConfig> {
-        allow_shared(self.kernel(name), g.shared)?;
+    /// The launch of GEMV kernel `entry` with `blocks` blocks of `g`, its shared memory
+    /// allowed where it is more than a block gets without asking.
+    fn gemv_launch<K>(&self, entry: Entry<K>, g: &Geometry, blocks: u32) -> Result<LaunchConfig> {
+        allow_shared(self.function(entry), g.shared)?;
         Ok(LaunchConfig {
             grid_dim: (blocks, 1, 1),
             block_dim: (g.threads, 1, 1),
@@ -231,10 +224,10 @@ impl Device {
     /// The launch of a kernel whose blocks stride over its units: as many blocks as cover them
     /// in one round, at most as many as the GPU holds at once (the rest go round again, with
     /// no block waiting for a slot).
-    pub(super) fn strided_launch(&self, name: &str, g: &Geometry) -> Result<LaunchConfig> {
-        let cfg = self.gemv_launch(name, g, g.blocks)?;
+    pub(super) fn strided_launch<K>(&self, entry: Entry<K>, g: &Geometry) -> Result<LaunchConfig> {
+        let cfg = self.gemv_launch(entry, g, g.blocks)?;
         let resident = self
-            .kernel(name)
+            .function(entry)
             .occupancy_max_active_blocks_per_multiprocessor(g.threads, g.shared as usize, None)?;
         let most = self.sm_count()? * resident.max(1);
         Ok(LaunchConfig {
@@ -308,10 +301,10 @@ impl Device {
         }
         // One family, or the build of both packed ones.
         let tys = qkv.map(|(w, _)| w.ty());
-        let name = if tys.iter().all(|t| family(*t) == family(tys[0])) {
-            family_kernel(WHAT, tys[0])
+        let entry = if tys.iter().all(|t| family(*t) == family(tys[0])) {
+            entry_of(AttnQkv::entry(family(tys[0])), WHAT)?
         } else if tys.iter().all(|t| packed(*t)) {
-            format!("{WHAT}_packed")
+            AttnQkv::attn_qkv_packed
         } else {
             return Err(Error::Invalid(format!(
                 "attn_qkv: q, k and v ({}) must be all quantized or all of one float type",
@@ -323,43 +316,60 @@ impl Device {
         let g = self.geometry(q_pairs + 2 * kv_pairs, split, n_in)?;
         let q_blocks = u32_of(q_pairs.div_ceil(g.per_block as usize), WHAT)?;
         let kv_blocks = u32_of(kv_pairs.div_ceil(g.per_block as usize), WHAT)?;
-        let cfg = self.gemv_launch(&name, &g, q_blocks + 2 * kv_blocks)?;
+        let cfg = self.gemv_launch(entry, &g, q_blocks + 2 * kv_blocks)?;
         let s = self.stream();
-        let (qp, _q) = q.device_ptr_mut(s);
-        let (kc, _kc) = k_cache.device_ptr_mut(s);
-        let (vc, _vc) = v_cache.device_ptr_mut(s);
-        let (xp, _x) = x.device_ptr(s);
-        let (np, _n) = norm.device_ptr(s);
-        let (pp, _p) = pos.device_ptr(s);
-        let (rp, _r) = rope.device_ptr(s);
-        let (sp, _s) = sums.sums.device_ptr_mut(s);
+        let (q, _q) = DevPtrMut::of(q, s);
+        let (k_cache, _kc) = DevPtrMut::of(k_cache, s);
+        let (v_cache, _vc) = DevPtrMut::of(v_cache, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let (norm, _n) = DevPtr::of(norm, s);
+        let (pos, _p) = DevPtr::of(pos, s);
+        let (rope, _r) = DevPtr::of(rope, s);
+        let (sums, _s) = DevPtrMut::of(&mut sums.sums, s);
         let ws = qkv.each_ref().map(|(w, _)| w.ptr(s));
-        let bs = qkv.each_ref().map(|(_, b)| b.map(|b| b.device_ptr(s)));
-        check_aligned(&[xp, np], WHAT)?;
+        let bs = qkv.each_ref().map(|(_, b)| b.map(|b| DevPtr::of(b, s)));
+        check_aligned(&[x, norm], WHAT)?;
         // A null bias pointer: the kernel adds nothing.
-        let bp = bs.each_ref().map(|b| b.as_ref().map_or(0, |(p, _)| *p));
-        let tys = qkv.each_ref().map(|(w, _)| w.ty() as u32);
-        let (n_in, n_heads, n_kv, hd) = (n_in as u32, n_heads as u32, n_kv_heads as u32, hd as u32);
-        let max_pos = max_pos as u32;
-        let mut l = self.launch(&name);
-        l.arg(&qp).arg(&kc).arg(&vc).arg(&xp).arg(&np).arg(&eps);
-        for i in 0..3 {
-            l.arg(&ws[i].0).arg(&tys[i]).arg(&bp[i]);
-        }
-        l.arg(&pp).arg(&rp);
-        l.arg(&n_in).arg(&n_heads).arg(&n_kv).arg(&hd).arg(&max_pos);
-        l.arg(&q_blocks).arg(&kv_blocks).arg(&split).arg(&sp);
-        // SAFETY: the parameters are the kernel's (f32*, f32*, f32*, const f32*, const f32*,
-        // f32, then (const u8*, u32, const f32* or null) for q, k, v, const u32*, const f32*,
-        // then 8 u32, f64*). Every size was checked above: the weights are GpuMatrix rows of
-        // n_in (whole chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q
+        let b = bs
+            .each_ref()
+            .map(|b| b.as_ref().map_or(DevPtr::null(), |(p, _)| *p));
+        let ty = qkv.each_ref().map(|(w, _)| w.ty() as u32);
+        let p = AttnQkv {
+            q,
+            k_cache,
+            v_cache,
+            x,
+            norm,
+            eps,
+            wq: ws[0].0,
+            ty_q: ty[0],
+            bq: b[0],
+            wk: ws[1].0,
+            ty_k: ty[1],
+            bk: b[1],
+            wv: ws[2].0,
+            ty_v: ty[2],
+            bv: b[2],
+            pos,
+            rope,
+            n_in: n_in as u32,
+            n_heads: n_heads as u32,
+            n_kv: n_kv_heads as u32,
+            head_dim: hd as u32,
+            max_pos: max_pos as u32,
+            q_blocks,
+            kv_blocks,
+            split,
+            sums,
+        };
+        // SAFETY: every size was checked above: the weights are GpuMatrix rows of n_in (whole
+        // chunks of 32, at most 32·split of them), x and norm 16-byte aligned; q
         // holds n_heads·head_dim, sums n_heads·(head_dim + 1); the kernel writes cache row
         // pos[0] and reads table row pos[0] only below max_pos, else traps. Blocks are whole
         // units of `split` warps, shared as `gemv_shared` (the reductions' slots and the
         // staged x).
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        unsafe { p.launch(self, entry, cfg, true) }
     }
 
     /// The FFN's first half for one token: `h[r] = silu(gate[r]·xn)·(up[r]·xn)` with
@@ -393,32 +403,32 @@ impl Device {
         }
         let n_out32 = u32_of(n_out, WHAT)?;
         let g = self.geometry(n_out, split, n_in)?;
-        let name = family_kernel(WHAT, gate.ty());
-        let cfg = self.strided_launch(&name, &g)?;
+        let entry = entry_of(FfnGateUp::entry(family(gate.ty())), WHAT)?;
+        let cfg = self.strided_launch(entry, &g)?;
         let s = self.stream();
-        let (hp, _h) = h.device_ptr_mut(s);
-        let (xp, _x) = x.device_ptr(s);
-        let (np, _n) = norm.device_ptr(s);
-        let (gp, _g) = gate.ptr(s);
-        let (upp, _u) = up.ptr(s);
-        check_aligned(&[xp, np], WHAT)?;
-        let (ty, n_in) = (gate.ty() as u32, n_in as u32);
-        let mut l = self.launch(&name);
-        l.arg(&hp)
-            .arg(&xp)
-            .arg(&np)
-            .arg(&eps)
-            .arg(&gp)
-            .arg(&upp)
-            .arg(&ty);
-        l.arg(&n_in).arg(&n_out32).arg(&split);
-        // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, const u8*, u32, u32,
-        // u32, u32). Gate and up are GpuMatrix rows of n_in of one type; x and norm 16-byte
+        let (h, _h) = DevPtrMut::of(h, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let (norm, _n) = DevPtr::of(norm, s);
+        let (w_gate, _g) = gate.ptr(s);
+        let (w_up, _u) = up.ptr(s);
+        check_aligned(&[x, norm], WHAT)?;
+        let p = FfnGateUp {
+            h,
+            x,
+            norm,
+            eps,
+            w_gate,
+            w_up,
+            ty: gate.ty() as u32,
+            n_in: n_in as u32,
+            n_out: n_out32,
+            split,
+        };
+        // SAFETY: gate and up are GpuMatrix rows of n_in of one type; x and norm 16-byte
         // aligned; h holds n_out; n_in is whole chunks, one per lane of `split` warps
         // (`split_of`); blocks are whole units of `split` warps, shared as `gemv_shared`.
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        unsafe { p.launch(self, entry, cfg, true) }
     }
 
     /// `y[r] += w[r]·v + bias[r]` for the `y.len()` rows of `w`, in place on the residual
@@ -435,9 +445,9 @@ impl Device {
             "gemv_residual: bias and rows",
         )?;
         let s = self.stream();
-        let (vp, _v) = v.device_ptr(s);
-        let bias = bias.map(|b| b.device_ptr(s));
-        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
+        let (vp, _v) = DevPtr::of(v, s);
+        let bias = bias.map(|b| DevPtr::of(b, s));
+        let bp = bias.as_ref().map_or(DevPtr::null(), |(p, _)| *p);
         self.residual(y, w, v.len(), Input::Floats(vp, bp))
     }
 
@@ -456,7 +466,7 @@ impl Device {
                 sums.head_dim
             )));
         }
-        let (sp, _s) = sums.sums.device_ptr(self.stream());
+        let (sp, _s) = DevPtr::of(&sums.sums, self.stream());
         let head_dim = sums.head_dim as u32;
         self.residual(
             y,
@@ -492,40 +502,71 @@ impl Device {
         // attention's sums, for every type (f16's wo: +13% over each lane loading its own
         // chunk of the f64 sums). Plain floats otherwise as before: f16's wo so staged was
         // -3.4% when it read floats (its 1.6 MB of weights want every SM's loads).
-        let name = family_kernel(what, w.ty());
-        let g = if packed(w.ty()) || matches!(input, Input::Sums(..)) {
-            self.staged_geometry(&name, n_out.div_ceil(2), split, n_in)?
+        let staged = packed(w.ty()) || matches!(input, Input::Sums(..));
+        let (fam, ty, n_in32) = (family(w.ty()), w.ty() as u32, u32_of(n_in, what)?);
+        let s = self.stream();
+        let (y, _y) = DevPtrMut::of(y, s);
+        let (wp, _w) = w.ptr(s);
+        // Both launches: w is n_out GpuMatrix rows of n_in (whole chunks, one per lane of
+        // `split` warps), v or the sums 16-byte aligned; v holds n_in, the sums n_in plus a sum
+        // per head (`AttentionSums`' shape), y and bias n_out; blocks are whole units of
+        // `split` warps, shared as `gemv_shared` (with the staged vector where staged). Each
+        // may overlap the kernel before: `gemv_units` reads only weights before it waits.
+        match input {
+            Input::Floats(v, bias) => {
+                check_aligned(&[v], what)?;
+                let entry = entry_of(GemvResidual::entry(fam), what)?;
+                let cfg = self.residual_launch(entry, staged, n_out, split, n_in)?;
+                let p = GemvResidual {
+                    y,
+                    v,
+                    w: wp,
+                    ty,
+                    bias,
+                    n_in: n_in32,
+                    n_out: n_out32,
+                    split,
+                };
+                // SAFETY: as said above the match.
+                unsafe { p.launch(self, entry, cfg, true) }
+            }
+            Input::Sums(sums, head_dim) => {
+                check_aligned(&[sums], what)?;
+                let entry = entry_of(AttnOutput::entry(fam), what)?;
+                let cfg = self.residual_launch(entry, staged, n_out, split, n_in)?;
+                let p = AttnOutput {
+                    y,
+                    sums,
+                    head_dim,
+                    w: wp,
+                    ty,
+                    n_in: n_in32,
+                    n_out: n_out32,
+                    split,
+                };
+                // SAFETY: as said above the match.
+                unsafe { p.launch(self, entry, cfg, true) }
+            }
+        }
+    }
+
+    /// The launch of `residual`'s kernel `entry` for `n_out` rows of `n_in`: a block for every
+    /// `per_block` units, each one round (the kernel holds no next one); `staged`, in
+    /// `staged_geometry`'s few blocks.
+    fn residual_launch<K>(
+        &self,
+        entry: Entry<K>,
+        staged: bool,
+        n_out: usize,
+        split: u32,
+        n_in: usize,
+    ) -> Result<LaunchConfig> {
+        let g = if staged {
+            self.staged_geometry(entry, n_out.div_ceil(2), split, n_in)?
         } else {
             self.geometry(n_out.div_ceil(2), split, 0)?
         };
-        // A block for every `per_block` units, each one round (the kernel holds no next one).
-        let cfg = self.gemv_launch(&name, &g, g.blocks)?;
-        let s = self.stream();
-        let (yp, _y) = y.device_ptr_mut(s);
-        let (wp, _w) = w.ptr(s);
-        let (ty, n_in) = (w.ty() as u32, u32_of(n_in, what)?);
-        let mut l = self.launch(&name);
-        l.arg(&yp);
-        match &input {
-            Input::Floats(vp, bp) => {
-                check_aligned(&[*vp], what)?;
-                l.arg(vp).arg(&wp).arg(&ty).arg(bp);
-            }
-            Input::Sums(sp, head_dim) => {
-                check_aligned(&[*sp], what)?;
-                l.arg(sp).arg(head_dim).arg(&wp).arg(&ty);
-            }
-        }
-        l.arg(&n_in).arg(&n_out32).arg(&split);
-        // SAFETY: parameters (f32*, then const f32*, const u8*, u32, const f32* or null
-        // (gemv_residual) or const f64*, u32, const u8*, u32 (attn_output), then u32, u32,
-        // u32). w is n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split`
-        // warps), v or the sums 16-byte aligned; v holds n_in, the sums n_in plus a sum per
-        // head (`AttentionSums`' shape), y and bias n_out; blocks are whole units of `split`
-        // warps, shared as `gemv_shared` (with the staged vector for packed weights).
-        // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        self.gemv_launch(entry, &g, g.blocks)
     }
 
     /// The scratch of `logits`' fused arg-max: 2 u64, zero. Allocate it once; every launch
@@ -567,36 +608,49 @@ impl Device {
         let n_out32 = u32_of(n_out, WHAT)?;
         // Units are pairs of rows.
         let g = self.geometry(n_out.div_ceil(2), split, n_in)?;
-        let name = family_kernel(WHAT, w.ty());
-        let cfg = self.strided_launch(&name, &g)?;
+        let entry = entry_of(Logits::entry(family(w.ty())), WHAT)?;
+        let cfg = self.strided_launch(entry, &g)?;
         let s = self.stream();
-        let (lp, _l) = logits.device_ptr_mut(s);
-        let (xp, _x) = x.device_ptr(s);
-        let (np, _n) = norm.device_ptr(s);
+        let (logits, _l) = DevPtrMut::of(logits, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let (norm, _n) = DevPtr::of(norm, s);
         let (wp, _w) = w.ptr(s);
-        check_aligned(&[xp, np], WHAT)?;
+        check_aligned(&[x, norm], WHAT)?;
         let (best, end) = best.map_or((None, None), |(o, sc, e)| {
-            (Some((o.device_ptr_mut(s), sc.device_ptr_mut(s))), e)
+            (Some((DevPtrMut::of(o, s), DevPtrMut::of(sc, s))), e)
         });
         let end = end.map(|e| e.ptrs(s));
         // Null pointers: no arg-max, no step's end.
-        let (op, sp) = best.as_ref().map_or((0, 0), |((o, _), (sc, _))| (*o, *sc));
-        let (tp, nt, pp, stp) = end.as_ref().map_or((0, 0, 0, 0), |(p, _)| *p);
-        let (ty, n_in) = (w.ty() as u32, n_in as u32);
-        let mut l = self.launch(&name);
-        l.arg(&lp).arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&ty);
-        l.arg(&n_in).arg(&n_out32).arg(&split).arg(&op).arg(&sp);
-        l.arg(&tp).arg(&nt).arg(&pp).arg(&stp);
-        // SAFETY: parameters (f32*, const f32*, const f32*, f32, const u8*, u32, u32, u32, u32,
-        // u32* or null, u64* or null, u32* or null, u32, u32* or null, u64* or null). w is
-        // n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split` warps), x and
+        let (best, scratch) = best.as_ref().map_or(
+            (DevPtrMut::null(), DevPtrMut::null()),
+            |((o, _), (sc, _))| (*o, *sc),
+        );
+        let (tokens, n_tokens, pos, step) = end.as_ref().map_or(no_step_end(), |(p, _)| *p);
+        let p = Logits {
+            logits,
+            x,
+            norm,
+            eps,
+            w: wp,
+            ty: w.ty() as u32,
+            n_in: n_in as u32,
+            n_out: n_out32,
+            split,
+            best,
+            scratch,
+            tokens,
+            n_tokens,
+            pos,
+            step,
+        };
+        // SAFETY: w is n_out GpuMatrix rows of n_in (whole chunks, one per lane of `split`
+        // warps), x and
         // norm 16-byte aligned; logits holds n_out; out holds 1 u32 and scratch 2 u64 (zero,
         // as every launch leaves it); the step's end (with the arg-max only) writes tokens
         // below n_tokens, one pos and one step; blocks are whole units of `split` warps,
         // shared as `gemv_shared`.
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        unsafe { p.launch(self, entry, cfg, true) }
     }
 }
 
@@ -656,19 +710,21 @@ impl Device {
             let (n32, s) = (u32_of(n, "high_bytes")?, self.stream());
             let cfg = one_per_element(n32.max(1));
             {
-                let (op, _o) = plane.device_ptr_mut(s);
+                let (out, _o) = DevPtrMut::of(&mut plane, s);
                 let (wp, _w) = w.ptr(s);
-                let mut l = self.launch("high_bytes");
-                l.arg(&op).arg(&wp).arg(&n32);
-                // SAFETY: parameters (u8*, const u16*, u32): out holds n bytes, w n f16 (rows
-                // of n_in plain f16).
-                unsafe { l.run(cfg, false) }?;
+                let p = HighBytes {
+                    out,
+                    w: wp.cast(),
+                    n: n32,
+                };
+                // SAFETY: out holds n bytes, w n f16 (rows of n_in plain f16).
+                unsafe { p.launch(self, HighBytes::high_bytes, cfg, false) }?;
             }
             (Some(plane), n)
         } else {
             (None, n / 32 * (16 + 2))
         };
-        let blocks = self.bounds_launch(w)?.grid_dim.0 as usize;
+        let blocks = self.bounds_launch(w)?.1.grid_dim.0 as usize;
         Ok(Some(BoundedArgmax {
             plane,
             upper: self.zeros(w.rows())?,
@@ -677,11 +733,14 @@ impl Device {
         }))
     }
 
-    /// The launch of `logit_bounds` over `w`: units of four rows, one warp each.
-    fn bounds_launch(&self, w: &GpuMatrix) -> Result<LaunchConfig> {
-        let split = split_of(w.n_in(), "logit_bounds")?;
+    /// The entry point and launch of `logit_bounds` over `w`: units of four rows, one warp
+    /// each.
+    fn bounds_launch(&self, w: &GpuMatrix) -> Result<(Entry<LogitBounds>, LaunchConfig)> {
+        const WHAT: &str = "logit_bounds";
+        let split = split_of(w.n_in(), WHAT)?;
+        let entry = entry_of(LogitBounds::entry(w.ty() as u32), WHAT)?;
         let g = self.geometry(w.rows().div_ceil(4), split, w.n_in())?;
-        self.strided_launch(&bounded_kernel("logit_bounds", w.ty()), &g)
+        Ok((entry, self.strided_launch(entry, &g)?))
     }
 
     /// What `logits` with `best` gives in `best`'s words (the same token, and the same end
@@ -715,7 +774,7 @@ impl Device {
                 && end.as_ref().is_none_or(StepEnd::valid),
             "argmax_bounded: matrix, bounds, best, scratch and step",
         )?;
-        let first = self.bounds_launch(w)?;
+        let (bounds, first) = self.bounds_launch(w)?;
         let n_lower = first.grid_dim.0;
         check(
             b.lower.len() >= n_lower as usize,
@@ -723,24 +782,31 @@ impl Device {
         )?;
         let (n_in, n_out) = (u32_of(n_in, WHAT)?, u32_of(n_out, WHAT)?);
         let s = self.stream();
-        let (xp, _x) = x.device_ptr(s);
-        let (np, _n) = norm.device_ptr(s);
-        check_aligned(&[xp, np], WHAT)?;
+        let (x, _x) = DevPtr::of(x, s);
+        let (norm, _n) = DevPtr::of(norm, s);
+        check_aligned(&[x, norm], WHAT)?;
         let (wp, _w) = w.ptr(s);
-        let plane = b.plane.as_ref().map(|p| p.device_ptr(s));
-        let pp = plane.as_ref().map_or(0, |(p, _)| *p);
-        let (up, _u) = b.upper.device_ptr_mut(s);
-        let (lp, _l) = b.lower.device_ptr_mut(s);
-        let mut l = self.launch(&bounded_kernel("logit_bounds", w.ty()));
-        l.arg(&up).arg(&lp).arg(&xp).arg(&np).arg(&eps);
-        l.arg(&wp).arg(&pp).arg(&n_in).arg(&n_out);
-        // SAFETY: parameters (f32*, u32*, const f32*, const f32*, f32, const u8*, const u8*,
-        // u32, u32). w is n_out q8_0 or f16 GpuMatrix rows of n_in <= 1024 (whole chunks, one
+        let plane = b.plane.as_ref().map(|p| DevPtr::of(p, s));
+        let plane = plane.as_ref().map_or(DevPtr::null(), |(p, _)| *p);
+        let (upper, _u) = DevPtrMut::of(&mut b.upper, s);
+        let (lower, _l) = DevPtrMut::of(&mut b.lower, s);
+        let p = LogitBounds {
+            upper,
+            lower,
+            x,
+            norm,
+            eps,
+            w: wp,
+            plane,
+            n_in,
+            n_out,
+        };
+        // SAFETY: w is n_out q8_0 or f16 GpuMatrix rows of n_in <= 1024 (whole chunks, one
         // warp each) with its plane for f16 (16-byte aligned, as every allocation; null for
         // q8_0, whose sketch reads none); x and norm hold n_in, 16-byte aligned; upper holds
         // n_out and lower a word per block; blocks are whole warps, shared as `gemv_shared`.
         // It may overlap the kernel before: it reads only weights before it waits.
-        unsafe { l.run(first, true) }?;
+        unsafe { p.launch(self, bounds, first, true) }?;
 
         // A block a multiprocessor, or more where a block's share of the rows (listed in its
         // shared memory) would pass `LIST`.
@@ -753,51 +819,67 @@ impl Device {
             blocks,
             shared: gemv_shared(32 * MAX_WARPS, n_in as usize)? + list,
         };
-        let name = bounded_kernel(WHAT, w.ty());
-        let second = self.gemv_launch(&name, &g, g.blocks)?;
-        let (op, _o) = out.device_ptr_mut(s);
-        let (sp, _s) = scratch.device_ptr_mut(s);
+        let entry = entry_of(ArgmaxBounded::entry(w.ty() as u32), WHAT)?;
+        let second = self.gemv_launch(entry, &g, g.blocks)?;
+        let (best, _o) = DevPtrMut::of(out, s);
+        let (scratch, _s) = DevPtrMut::of(scratch, s);
         let end = end.map(|e| e.ptrs(s));
-        let (tp, nt, pos, stp) = end.as_ref().map_or((0, 0, 0, 0), |(p, _)| *p);
-        let mut l = self.launch(&name);
-        l.arg(&op).arg(&sp).arg(&up).arg(&lp).arg(&n_lower);
-        l.arg(&xp).arg(&np).arg(&eps).arg(&wp).arg(&n_in);
-        l.arg(&n_out).arg(&tp).arg(&nt).arg(&pos).arg(&stp);
-        // SAFETY: parameters (u32*, u64*, const f32*, const u32*, u32, const f32*, const f32*,
-        // f32, const u8*, u32, u32, u32* or null, u32, u32* or null, u64* or null). As above;
-        // out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves it); `logit_bounds`
+        let (tokens, n_tokens, pos, step) = end.as_ref().map_or(no_step_end(), |(p, _)| *p);
+        let p = ArgmaxBounded {
+            best,
+            scratch,
+            upper: upper.as_const(),
+            lower: lower.as_const(),
+            n_lower,
+            x,
+            norm,
+            eps,
+            w: wp,
+            n_in,
+            n_out,
+            tokens,
+            n_tokens,
+            pos,
+            step,
+        };
+        // SAFETY: as above; out holds 1 u32 and scratch 2 u64 (zero, as every launch leaves
+        // it); `logit_bounds`
         // wrote upper and n_lower words of lower; the step's end writes tokens below n_tokens,
         // one pos and one step; shared as `gemv_shared` and the list of a block's share.
         // It may overlap `logit_bounds`: it reads x (final before that one's wait) and norm
         // before it waits.
-        unsafe { l.run(second, true) }?;
-        Ok(())
+        unsafe { p.launch(self, entry, second, true) }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda::kernels::{Gemm, Gemv};
 
-    /// Every decode kernel the host names for a type is in both PTX builds (a missing one
-    /// would panic at its first launch). Reads the embedded PTX: no GPU needed.
+    /// Every type the engine reads has an entry point of each kernel that the host keys by its
+    /// type or family (a missing one would be an error at its first launch); that each is in
+    /// the PTX is `every_declared_kernel_is_in_the_ptx`'s. No GPU needed.
     #[test]
-    fn every_decode_kernel_named_is_in_the_ptx() {
-        for ptx in [crate::PTX, crate::PTX_SM90] {
-            let entries: Vec<&str> = ptx.lines().filter_map(super::super::entry_name).collect();
-            let mut names = vec!["attn_qkv_packed".to_string()];
-            for ty in GgmlType::ALL {
-                for base in ["attn_qkv", "ffn_gate_up", "gemv_residual", "logits"] {
-                    names.push(family_kernel(base, ty));
-                }
-                if BoundedArgmax::applies(ty, 896) {
-                    for pass in ["logit_bounds", "argmax_bounded"] {
-                        names.push(bounded_kernel(pass, ty));
-                    }
-                }
-            }
-            for name in names {
-                assert!(entries.contains(&name.as_str()), "{name} is not in the PTX");
+    fn every_type_has_its_kernels() {
+        for ty in GgmlType::ALL {
+            let (name, fam) = (ty.name(), family(ty));
+            assert!(Gemv::entry(ty as u32).is_some(), "gemv {name}");
+            assert!(Gemm::entry(ty as u32).is_some(), "gemm {name}");
+            assert!(AttnQkv::entry(fam).is_some(), "attn_qkv {name}");
+            assert!(FfnGateUp::entry(fam).is_some(), "ffn_gate_up {name}");
+            assert!(GemvResidual::entry(fam).is_some(), "gemv_residual {name}");
+            assert!(AttnOutput::entry(fam).is_some(), "attn_output {name}");
+            assert!(Logits::entry(fam).is_some(), "logits {name}");
+            if BoundedArgmax::applies(ty, 896) {
+                assert!(
+                    LogitBounds::entry(ty as u32).is_some(),
+                    "logit_bounds {name}"
+                );
+                assert!(
+                    ArgmaxBounded::entry(ty as u32).is_some(),
+                    "argmax_bounded {name}"
+                );
             }
         }
     }

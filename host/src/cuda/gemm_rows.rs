@@ -1,37 +1,23 @@
 //! Launch helper of the row-independent matrix product of the batched pass
 //! (gpu-kernels/src/gemm_rows.rs).
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use kernel_abi::gemm_rows::PER_TILE;
 
+use super::kernels::{DevPtr, DevPtrMut, GemmRows};
+use super::matmul::entry_of;
 use super::{Device, allow_shared, check, u32_of};
 use crate::Result;
-use crate::quant::GgmlType;
 
-/// Outputs per warp, the most m16 row tiles per block, and the most K slices and output groups
-/// per block. As gpu-kernels/src/gemm_rows.rs.
-const WARP_OUTS: usize = 16;
-const MAX_MT: usize = 4;
+/// Outputs per warp and the most m16 row tiles per block (the kernel's), and the most K slices
+/// and output groups per block.
+const WARP_OUTS: usize = kernel_abi::gemm_rows::WARP_OUTS as usize;
+const MAX_MT: usize = kernel_abi::gemm_rows::MAX_MT as usize;
 const MAX_SLICES: usize = 8;
 const MAX_GROUPS: usize = 4;
 /// Blocks per row tile that the output groups and K slices aim at: enough warps for the
 /// H200's 132 SMs where the outputs are few (a function of the shape alone).
 const AIM_WARPS: usize = 1056;
 const AIM_BLOCKS: usize = 264;
-
-/// The kernel for weights of type `ty`.
-fn gemm_rows_kernel(ty: GgmlType) -> &'static str {
-    use GgmlType::*;
-    match ty {
-        F32 => "gemm_rows_f32",
-        F16 => "gemm_rows_f16",
-        BF16 => "gemm_rows_bf16",
-        Q4_0 => "gemm_rows_q4_0",
-        Q5_0 => "gemm_rows_q5_0",
-        Q8_0 => "gemm_rows_q8_0",
-        Q4K => "gemm_rows_q4_k",
-        Q5K => "gemm_rows_q5_k",
-        Q6K => "gemm_rows_q6_k",
-    }
-}
 
 /// `(ks, nw)` for a `[n_out, n_in]` matrix: K slices per block (each output's sum is theirs,
 /// added in order, so this depends on the shape alone: row independence) and 16-output groups
@@ -77,30 +63,30 @@ impl Device {
         if rows == 0 || n_out == 0 {
             return Ok(());
         }
-        let stream = self.stream();
-        let (xp, _x) = x.device_ptr(stream);
-        if !n_in.is_multiple_of(32) || !xp.is_multiple_of(16) {
+        let s = self.stream();
+        let (x_ptr, _x) = DevPtr::of(x, s);
+        if !n_in.is_multiple_of(32) || !x_ptr.is_aligned(16) {
             drop(_x);
             return self.matmul(y, x, w, bias, rows);
         }
-        let (yp, _y) = y.device_ptr_mut(stream);
-        let (wp, _w) = w.ptr(stream);
-        let bias = bias.map(|b| b.device_ptr(stream));
+        let (y, _y) = DevPtrMut::of(y, s);
+        let (wp, _w) = w.ptr(s);
+        let bias = bias.map(|b| DevPtr::of(b, s));
         // A null bias pointer: the kernel adds nothing.
-        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
+        let bias = bias.as_ref().map_or(DevPtr::null(), |(p, _)| *p);
         let (ks, nw) = gemm_rows_split(n_in, n_out);
         let mt = match rows.div_ceil(16) {
             1 => 1,
             2 => 2,
             _ => MAX_MT,
         };
-        let name = gemm_rows_kernel(w.ty());
-        let f = self.kernel(name);
+        let entry = entry_of(GemmRows::entry(w.ty() as u32), "matmul_rows")?;
+        let f = self.function(entry);
         // As many output groups as the kernel's registers allow (ks·32 threads always fit:
         // ks <= 8 and at most 255 registers a thread).
         let fit = (f.max_threads_per_block()? as u32 / (32 * ks)).max(1);
         let nw = nw.min(fit);
-        let shared = 4 * ks * nw * mt as u32 * 256;
+        let shared = 4 * ks * nw * mt as u32 * PER_TILE;
         allow_shared(f, shared)?;
         let blocks = rows.div_ceil(16 * mt) * n_out.div_ceil(WARP_OUTS * nw as usize);
         let cfg = LaunchConfig {
@@ -108,30 +94,23 @@ impl Device {
             block_dim: (32 * ks * nw, 1, 1),
             shared_mem_bytes: shared,
         };
-        let (rows, n_in, n_out) = (
-            u32_of(rows, "matmul_rows rows")?,
-            u32_of(n_in, "matmul_rows n_in")?,
-            u32_of(n_out, "matmul_rows n_out")?,
-        );
-        let mt = mt as u32;
-        let mut l = self.launch(name);
-        l.arg(&yp)
-            .arg(&xp)
-            .arg(&wp)
-            .arg(&bp)
-            .arg(&rows)
-            .arg(&n_in)
-            .arg(&n_out)
-            .arg(&ks)
-            .arg(&mt);
-        // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32, u32,
-        // u32, u32); the kernel reads rows·n_in of x (16-byte aligned, n_in % 32 == 0), the
-        // n_out rows of w (a GpuMatrix: packed or plain, 16-byte aligned), n_out of bias and
-        // writes rows·n_out of y, all checked above; mt is 1, 2 or 4, the block ks·nw whole
-        // warps within the kernel's registers, the shared size ks·nw·mt·256 f32, allowed
-        // above. It reads and writes nothing before its wait, so it may overlap.
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        let p = GemmRows {
+            y,
+            x: x_ptr,
+            w: wp,
+            bias,
+            rows: u32_of(rows, "matmul_rows rows")?,
+            n_in: u32_of(n_in, "matmul_rows n_in")?,
+            n_out: u32_of(n_out, "matmul_rows n_out")?,
+            ks,
+            mt: mt as u32,
+        };
+        // SAFETY: the kernel reads rows·n_in of x (16-byte aligned, n_in % 32 == 0), the n_out
+        // rows of w (a GpuMatrix: packed or plain, 16-byte aligned), n_out of bias and writes
+        // rows·n_out of y, all checked above; mt is 1, 2 or 4, the block ks·nw whole warps
+        // within the kernel's registers, the shared size ks·nw·mt·PER_TILE f32, allowed above. It
+        // reads and writes nothing before its wait, so it may overlap.
+        unsafe { p.launch(self, entry, cfg, true) }
     }
 }
 

@@ -1,27 +1,17 @@
 //! Launch helpers of the matmul, quant and elementwise kernel families
 //! (gpu-kernels/src/{matmul,quant,elementwise}.rs).
-use cudarc::driver::{
-    CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
-};
+use cudarc::driver::{CudaSlice, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, SyncOnDrop};
 use half::f16;
+use kernel_abi::gemm;
 
+use super::kernels::{Add, DequantizeF16, DevPtr, DevPtrMut, Embed, Entry, Gemm, Gemv, SiluMul};
 use super::{BLOCK, Device, allow_shared, check, u32_of};
 use crate::Result;
 use crate::pack;
 use crate::quant::{GgmlType, dequantize_f16};
 
-/// The GEMM kernel's output tile (tokens × outputs), its groups of 4 warps (the tensor-core
-/// loop's consumer and its teams of producers, at most `GEMM_MAX_TEAMS`), the shared memory of
-/// a team (two slots of a K step, four `[64][32]` f16 tiles each) and that of the f32 loop
-/// (for rows of x or w that are not 16-byte aligned). They must match
-/// gpu-kernels/src/matmul.rs.
-const GEMM_TILE: u32 = 64;
-const GEMM_GROUP: u32 = 128;
-const GEMM_MAX_TEAMS: u32 = 3;
-const GEMM_TEAM_SHARED_BYTES: u32 = 2 * 4 * 64 * 32 * 2;
-const GEMM_F32_SHARED_BYTES: u32 = 2 * 32 * 68 * 4;
-/// The GEMV: each lane one chunk of 32 weights per row, so rows of at most 32 warps' chunks
-/// (longer ones go to the GEMM); 2 f32 of shared memory per warp. As gpu-kernels/src/matmul.rs.
+/// The most warps of a GEMV unit: each lane takes one chunk of 32 weights per row, and a block
+/// holds at most 32 warps, so rows of at most 32 warps' chunks (longer ones go to the GEMM).
 const GEMV_MAX_SPLIT: usize = 32;
 
 /// Blocks of `BLOCK` threads for one thread per element.
@@ -33,20 +23,9 @@ pub(super) fn one_per_element(n: u32) -> LaunchConfig {
     }
 }
 
-/// The (GEMV, GEMM) kernels for weights of type `ty`.
-fn matmul_kernels(ty: GgmlType) -> (&'static str, &'static str) {
-    use GgmlType::*;
-    match ty {
-        F32 => ("gemv_f32", "gemm_f32"),
-        F16 => ("gemv_f16", "gemm_f16"),
-        BF16 => ("gemv_bf16", "gemm_bf16"),
-        Q4_0 => ("gemv_q4_0", "gemm_q4_0"),
-        Q5_0 => ("gemv_q5_0", "gemm_q5_0"),
-        Q8_0 => ("gemv_q8_0", "gemm_q8_0"),
-        Q4K => ("gemv_q4_k", "gemm_q4_k"),
-        Q5K => ("gemv_q5_k", "gemm_q5_k"),
-        Q6K => ("gemv_q6_k", "gemm_q6_k"),
-    }
+/// The entry point of kernel `K` for key `key` (`entry`), or an error naming `what`.
+pub(super) fn entry_of<K>(entry: Option<Entry<K>>, what: &str) -> Result<Entry<K>> {
+    entry.ok_or_else(|| crate::Error::Invalid(format!("{what}: no kernel for it")))
 }
 
 /// Warps per unit of the GEMV for rows of `n_in` (a lane per chunk of 32), or `None` when rows
@@ -91,8 +70,8 @@ impl GpuMatrix {
     }
 
     /// The device address (16-byte aligned) with its stream guard.
-    pub(super) fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (u64, SyncOnDrop<'s>) {
-        self.data.device_ptr(stream)
+    pub(super) fn ptr<'s>(&'s self, stream: &'s CudaStream) -> (DevPtr<u8>, SyncOnDrop<'s>) {
+        DevPtr::of(&self.data, stream)
     }
 }
 
@@ -124,16 +103,19 @@ impl Device {
             let (rows, n_in32) = (u32_of(packed.rows, "f16 rows")?, u32_of(n_in, "f16 row")?);
             // Quantized rows are whole blocks, so whole groups of 8: a thread per group.
             let cfg = one_per_element(u32_of(n / 8, "f16 weights")?.max(1));
-            let stream = self.stream();
-            let (op, _o) = out.device_ptr_mut(stream);
-            let (wp, _w) = packed.ptr(stream);
-            let ty32 = ty as u32;
-            let mut l = stream.launch_builder(self.kernel("dequantize_f16"));
-            l.arg(&op).arg(&wp).arg(&ty32).arg(&rows).arg(&n_in32);
-            // SAFETY: parameters (u32*, const u8*, u32, u32, u32); `packed` is `rows` packed
-            // rows of `n_in` (a multiple of 32) of type `ty`, `out` holds 2·rows·n_in bytes
-            // from a fresh (256-byte aligned) allocation.
-            unsafe { l.launch(cfg) }?;
+            let s = self.stream();
+            let (o, _o) = DevPtrMut::of(&mut out, s);
+            let (w, _w) = packed.ptr(s);
+            let p = DequantizeF16 {
+                out: o.cast(),
+                w,
+                ty: ty as u32,
+                rows,
+                n_in: n_in32,
+            };
+            // SAFETY: `packed` is `rows` packed rows of `n_in` (a multiple of 32) of type `ty`,
+            // `out` holds 2·rows·n_in bytes from a fresh (256-byte aligned) allocation.
+            unsafe { p.launch(self, DequantizeF16::dequantize_f16, cfg, false) }?;
             // `packed` is freed in stream order, after the kernel.
             drop((_o, _w));
             return Ok(GpuMatrix {
@@ -181,7 +163,7 @@ impl Device {
         ty: GgmlType,
         y: &mut impl DevicePtrMut<f32>,
         x: &impl DevicePtr<f32>,
-        w: u64,
+        w: DevPtr<u8>,
         bias: Option<&CudaSlice<f32>>,
         rows: usize,
         n_in: usize,
@@ -200,51 +182,62 @@ impl Device {
         let rows32 = u32_of(rows, &format!("{what} rows"))?;
         let n_in32 = u32_of(n_in, &format!("{what} n_in"))?;
         let n_out32 = u32_of(n_out, &format!("{what} n_out"))?;
-        let (gemv, gemm) = matmul_kernels(ty);
-        let stream = self.stream();
-        let (yp, _y) = y.device_ptr_mut(stream);
-        let (xp, _x) = x.device_ptr(stream);
-        let bias = bias.map(|b| b.device_ptr(stream));
+        let s = self.stream();
+        let (y, _y) = DevPtrMut::of(y, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let bias = bias.map(|b| DevPtr::of(b, s));
         // A null bias pointer: the kernels add nothing.
-        let bp = bias.as_ref().map_or(0, |(p, _)| *p);
+        let bias = bias.as_ref().map_or(DevPtr::null(), |(p, _)| *p);
         if let (1, Some(split)) = (rows, gemv_split(n_in)) {
             // Units of 2 rows, `split` warps each; blocks stride over them.
+            let entry = entry_of(Gemv::entry(ty as u32), what)?;
             let g = self.geometry(n_out.div_ceil(2), split, 0)?;
-            let cfg = self.strided_launch(gemv, &g)?;
-            let mut l = stream.launch_builder(self.kernel(gemv));
-            l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
-            l.arg(&n_in32).arg(&n_out32).arg(&split);
-            // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
-            // u32); the kernel reads n_in of x, the n_out rows of w, n_out of bias and writes
+            let cfg = self.strided_launch(entry, &g)?;
+            let p = Gemv {
+                y,
+                x,
+                w,
+                bias,
+                n_in: n_in32,
+                n_out: n_out32,
+                split,
+            };
+            // SAFETY: the kernel reads n_in of x, the n_out rows of w, n_out of bias and writes
             // n_out of y, all checked above and by the caller; blocks are whole units of
             // `split` warps with 32·split lanes for the row's chunks, shared at least 2 f32 per
             // warp (`gemv_shared`).
-            unsafe { l.launch(cfg) }?;
+            unsafe { p.launch(self, entry, cfg, false) }?;
         } else {
-            let f = self.kernel(gemm);
+            let entry = entry_of(Gemm::entry(ty as u32), what)?;
+            let f = self.function(entry);
             // The consumer group and as many producer teams as fit in a block with the
             // kernel's registers (as compiled for this GPU): 3 at up to 128 registers a thread.
             // Below 2 groups the kernel runs the f32 loop (no tensor-core loop without a team).
             let groups =
-                (f.max_threads_per_block()? as u32 / GEMM_GROUP).clamp(1, 1 + GEMM_MAX_TEAMS);
-            let shared = GEMM_F32_SHARED_BYTES.max((groups - 1) * GEMM_TEAM_SHARED_BYTES);
+                (f.max_threads_per_block()? as u32 / gemm::GROUP).clamp(1, 1 + gemm::MAX_TEAMS);
+            let shared = gemm::shared_bytes(groups - 1);
             allow_shared(f, shared)?;
-            let tiles = rows.div_ceil(GEMM_TILE as usize) * n_out.div_ceil(GEMM_TILE as usize);
+            let tiles = rows.div_ceil(gemm::TILE_M) * n_out.div_ceil(gemm::TILE_N);
             let cfg = LaunchConfig {
                 grid_dim: (u32_of(tiles, &format!("{what} tiles"))?, 1, 1),
-                block_dim: (groups * GEMM_GROUP, 1, 1),
+                block_dim: (groups * gemm::GROUP, 1, 1),
                 shared_mem_bytes: shared,
             };
-            let mut l = stream.launch_builder(f);
-            l.arg(&yp).arg(&xp).arg(&w).arg(&bp);
-            l.arg(&rows32).arg(&n_in32).arg(&n_out32);
-            // SAFETY: parameters (f32*, const f32*, const u8*, const f32* or null, u32, u32,
-            // u32); the kernel reads rows·n_in of x, the n_out rows of w, n_out of bias and
+            let p = Gemm {
+                y,
+                x,
+                w,
+                bias,
+                rows: rows32,
+                n_in: n_in32,
+                n_out: n_out32,
+            };
+            // SAFETY: the kernel reads rows·n_in of x, the n_out rows of w, n_out of bias and
             // writes rows·n_out of y, all checked above and by the caller; the block is whole
             // groups of 128 threads (the kernel runs any number, the tensor-core loop from 2),
             // no more than the kernel's registers allow, and the shared size is what the
             // kernel needs for them, allowed by the attribute above.
-            unsafe { l.launch(cfg) }?;
+            unsafe { p.launch(self, entry, cfg, false) }?;
         }
         Ok(())
     }
@@ -259,7 +252,7 @@ impl Device {
         tokens: &impl DevicePtr<u32>,
         n_tokens: usize,
     ) -> Result<()> {
-        self.embed_rows(out, table, tokens, 0, n_tokens)
+        self.embed_rows(out, table, tokens, DevPtr::null(), n_tokens)
     }
 
     /// `embed` of the one token `tokens[pos[0]]` into `out[..hidden]`, the position read on
@@ -273,18 +266,18 @@ impl Device {
         pos: &impl DevicePtr<u32>,
     ) -> Result<()> {
         check(pos.len() >= 1, "embed_at: pos")?;
-        let (pp, _p) = pos.device_ptr(self.stream());
-        self.embed_rows(out, table, tokens, pp, 1)
+        let (pos, _p) = DevPtr::of(pos, self.stream());
+        self.embed_rows(out, table, tokens, pos, 1)
     }
 
-    /// The `embed` kernel over `n_tokens` ids of `tokens` from `pos[0]` on (`pos` a device
-    /// pointer), or from 0 when `pos` is 0.
+    /// The `embed` kernel over `n_tokens` ids of `tokens` from `pos[0]` on, or from 0 when
+    /// `pos` is null.
     fn embed_rows(
         &self,
         out: &mut impl DevicePtrMut<f32>,
         table: &GpuMatrix,
         tokens: &impl DevicePtr<u32>,
-        pos: u64,
+        pos: DevPtr<u32>,
         n_tokens: usize,
     ) -> Result<()> {
         let hidden = table.n_in;
@@ -297,32 +290,31 @@ impl Device {
         }
         let n_rows = u32_of(table.rows, "embed rows")?;
         let n_ids = u32_of(tokens.len(), "embed tokens")?;
-        let (hidden, ty) = (u32_of(hidden, "embed hidden")?, table.ty as u32);
+        let hidden = u32_of(hidden, "embed hidden")?;
         let cfg = LaunchConfig {
             grid_dim: (u32_of(n_tokens, "embed tokens")?, 1, 1),
             block_dim: (BLOCK, 1, 1),
             shared_mem_bytes: 0,
         };
-        let stream = self.stream();
-        let (op, _o) = out.device_ptr_mut(stream);
-        let (tp, _t) = table.ptr(stream);
-        let (kp, _k) = tokens.device_ptr(stream);
-        let mut l = self.launch("embed");
-        l.arg(&op)
-            .arg(&tp)
-            .arg(&ty)
-            .arg(&kp)
-            .arg(&pos)
-            .arg(&n_ids)
-            .arg(&n_rows)
-            .arg(&hidden);
-        // SAFETY: parameters (f32*, const u8*, u32, const u32*, const u32* or null, u32, u32,
-        // u32); the kernel reads n_tokens ids from tokens[pos[0]] (or tokens[0]) on, below
+        let s = self.stream();
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (t, _t) = table.ptr(s);
+        let (tokens, _k) = DevPtr::of(tokens, s);
+        let p = Embed {
+            out,
+            table: t,
+            ty: table.ty as u32,
+            tokens,
+            pos,
+            n_ids,
+            n_rows,
+            hidden,
+        };
+        // SAFETY: the kernel reads n_tokens ids from tokens[pos[0]] (or tokens[0]) on, below
         // n_ids or it traps, rows below n_rows of the table (a GpuMatrix: its layout, 16-byte
         // aligned) and writes n_tokens·hidden of out; `pos` is null or a live buffer the
         // caller holds. It may overlap the kernel before: it reads nothing before it waits.
-        unsafe { l.run(cfg, true) }?;
-        Ok(())
+        unsafe { p.launch(self, Embed::embed, cfg, true) }
     }
 
     /// `gate[i] = silu(gate[i])·up[i]`. Twin: `cpu::silu_mul`.
@@ -331,33 +323,34 @@ impl Device {
         gate: &mut impl DevicePtrMut<f32>,
         up: &impl DevicePtr<f32>,
     ) -> Result<()> {
-        self.elementwise("silu_mul", gate, up)
+        let Some(n) = elementwise_len(gate.len(), up.len(), "silu_mul")? else {
+            return Ok(());
+        };
+        let s = self.stream();
+        let (gate, _g) = DevPtrMut::of(gate, s);
+        let (up, _u) = DevPtr::of(up, s);
+        let p = SiluMul { gate, up, n };
+        // SAFETY: it touches n elements of each.
+        unsafe { p.launch(self, SiluMul::silu_mul, one_per_element(n), false) }
     }
 
     /// `x[i] += y[i]`. Twin: `cpu::add`.
     pub fn add(&self, x: &mut impl DevicePtrMut<f32>, y: &impl DevicePtr<f32>) -> Result<()> {
-        self.elementwise("add", x, y)
-    }
-
-    /// Launches the elementwise kernel `name(a*, const b*, n)` over `a.len() == b.len()` items.
-    fn elementwise(
-        &self,
-        name: &str,
-        a: &mut impl DevicePtrMut<f32>,
-        b: &impl DevicePtr<f32>,
-    ) -> Result<()> {
-        check(a.len() == b.len(), &format!("{name}: lengths"))?;
-        if a.is_empty() {
+        let Some(n) = elementwise_len(x.len(), y.len(), "add")? else {
             return Ok(());
-        }
-        let n = u32_of(a.len(), name)?;
-        let stream = self.stream();
-        let (ap, _a) = a.device_ptr_mut(stream);
-        let (bp, _b) = b.device_ptr(stream);
-        let mut l = stream.launch_builder(self.kernel(name));
-        l.arg(&ap).arg(&bp).arg(&n);
-        // SAFETY: both kernels take (f32*, const f32*, u32) and touch n elements of each.
-        unsafe { l.launch(one_per_element(n)) }?;
-        Ok(())
+        };
+        let s = self.stream();
+        let (x, _x) = DevPtrMut::of(x, s);
+        let (y, _y) = DevPtr::of(y, s);
+        let p = Add { x, y, n };
+        // SAFETY: it touches n elements of each.
+        unsafe { p.launch(self, Add::add, one_per_element(n), false) }
     }
+}
+
+/// The length of an elementwise kernel's two operands of `a` and `b` items (which must be
+/// equal), or None for none; `what` names the kernel in errors.
+fn elementwise_len(a: usize, b: usize, what: &str) -> Result<Option<u32>> {
+    check(a == b, &format!("{what}: lengths"))?;
+    Ok(if a == 0 { None } else { Some(u32_of(a, what)?) })
 }

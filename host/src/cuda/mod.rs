@@ -7,15 +7,17 @@ use std::sync::Arc;
 
 use cudarc::driver::{
     CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
-    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, PushKernelArg, ValidAsZeroBits, sys,
+    DevicePtrMut, DeviceRepr, LaunchConfig, PinnedHostSlice, ValidAsZeroBits, sys,
 };
 
 use crate::{Error, Result};
+use kernels::{DevPtr, DevPtrMut};
 
 mod attention;
 pub mod batch;
 pub mod decode;
 mod gemm_rows;
+mod kernels;
 mod matmul;
 pub mod model;
 pub mod paged;
@@ -34,26 +36,22 @@ const BLOCK: u32 = 256;
 pub struct Device {
     ctx: Arc<CudaContext>,
     stream: Arc<CudaStream>,
-    kernels: HashMap<String, CudaFunction>,
+    /// Every entry point that `kernel_abi::kernels!` declares, by name.
+    kernels: HashMap<&'static str, CudaFunction>,
     /// Whether kernels may be launched to overlap the one before them (programmatic dependent
     /// launch: sm_90 and later, with the sm_90 PTX).
     overlap: bool,
 }
 
-/// The kernel that a line of PTX opens (`.visible .entry NAME(`), if it opens one.
-fn entry_name(line: &str) -> Option<&str> {
-    line.strip_prefix(".visible .entry ")?.split('(').next()
-}
-
-/// Every kernel of `ptx`, looked up once.
-fn load_kernels(module: &Arc<CudaModule>, ptx: &str) -> Result<HashMap<String, CudaFunction>> {
-    ptx.lines()
-        .filter_map(entry_name)
-        .map(|name| {
+/// Every declared entry point (`kernels::ENTRIES`), looked up once in `module`.
+fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<&'static str, CudaFunction>> {
+    kernels::ENTRIES
+        .iter()
+        .map(|&name| {
             let f = module
                 .load_function(name)
                 .map_err(|e| Error::Cuda(format!("loading kernel {name}: {e}")))?;
-            Ok((name.to_string(), f))
+            Ok((name, f))
         })
         .collect()
 }
@@ -101,7 +99,7 @@ impl Device {
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
-        let kernels = load_kernels(&module, ptx)?;
+        let kernels = load_kernels(&module)?;
         Ok(Device {
             ctx,
             stream,
@@ -151,20 +149,16 @@ impl Device {
         Ok(self.ctx.new_event(None)?)
     }
 
-    /// The kernel called `name` (a bug in orcd if it is not in the PTX).
-    pub(crate) fn kernel(&self, name: &str) -> &CudaFunction {
-        self.kernels
-            .get(name)
-            .unwrap_or_else(|| panic!("kernel {name} is not in the PTX"))
+    /// The function of entry point `entry` (all were loaded at `open`).
+    pub(crate) fn function<K>(&self, entry: kernels::Entry<K>) -> &CudaFunction {
+        self.kernel(entry.name())
     }
 
-    /// A launch of kernel `name` on the stream, its parameters to be pushed in order.
-    pub(crate) fn launch(&self, name: &str) -> Launch<'_> {
-        Launch {
-            dev: self,
-            f: self.kernel(name),
-            params: Vec::new(),
-        }
+    /// The function of the entry point called `name`, one of `kernels::ENTRIES`.
+    fn kernel(&self, name: &str) -> &CudaFunction {
+        self.kernels
+            .get(name)
+            .unwrap_or_else(|| panic!("kernel {name} is not declared"))
     }
 
     /// The stream every launch goes to.
@@ -194,52 +188,42 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: (rows, 1, 1),
             block_dim: (BLOCK, 1, 1),
-            shared_mem_bytes: 32 * 4,
+            shared_mem_bytes: kernel_abi::BLOCK_SUM_BYTES,
         };
-        let (o, _o) = out.device_ptr_mut(&self.stream);
-        let (x, _x) = x.device_ptr(&self.stream);
-        let (w, _w) = w.device_ptr(&self.stream);
+        let s = &self.stream;
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let (w, _w) = DevPtr::of(w, s);
         let n = n as u32;
-        let mut l = self.stream.launch_builder(self.kernel("rms_norm"));
-        l.arg(&o).arg(&x).arg(&w).arg(&n).arg(&eps);
-        // SAFETY: the kernel's parameters are (f32*, const f32*, const f32*, u32, f32) and it
-        // touches `rows * n` elements of out and x and `n` of w, all checked above.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
-    }
-}
-
-/// A kernel launch that may overlap the kernel before it (what cudarc's `launch_builder` does,
-/// plus programmatic dependent launch): the kernel's blocks start while the one before it
-/// still runs, and load what that kernel does not write (their weights, and what earlier
-/// kernels wrote) until `wait_prior_grids` (gpu-kernels' util.rs) returns. In a CUDA graph
-/// this hides most of a launch's latency.
-pub(crate) struct Launch<'a> {
-    dev: &'a Device,
-    f: &'a CudaFunction,
-    params: Vec<*mut c_void>,
-}
-
-impl<'a> Launch<'a> {
-    /// Pushes the next parameter, which must live until the launch.
-    pub(crate) fn arg<T: DeviceRepr>(&mut self, v: &'a T) -> &mut Self {
-        self.params.push(v as *const T as *mut c_void);
-        self
+        let p = kernels::RmsNorm { out, x, w, n, eps };
+        // SAFETY: it touches `rows * n` elements of out and x and `n` of w, all checked above.
+        unsafe { p.launch(self, kernels::RmsNorm::rms_norm, cfg, false) }
     }
 
-    /// Launches the kernel with `cfg`; with `overlap`, overlapping the one before it where the
-    /// device can.
+    /// Launches entry point `name` with `cfg` on the stream; with `overlap`, overlapping the
+    /// kernel before it where the device can: programmatic dependent launch, whose blocks start
+    /// while the kernel before still runs and load what that kernel does not write (their
+    /// weights, and what earlier kernels wrote) until `wait_prior_grids` (gpu-kernels'
+    /// util.rs) returns. In a CUDA graph this hides most of a launch's latency. The typed
+    /// launchers (`kernels`) call it.
     ///
     /// # Safety
-    /// The parameters must be the kernel's, in order, and every pointer valid for what the
-    /// kernel does with `cfg`. With `overlap`, its blocks may start once every block of the
-    /// kernel launched before it has called `allow_next_grid` or exited; kernels call it only
-    /// after their own `wait_prior_grids`, so all the kernels before that one have finished:
-    /// each thread must call `wait_prior_grids` before it writes memory, or reads memory that
-    /// the kernel launched just before it may write.
-    pub(crate) unsafe fn run(&mut self, cfg: LaunchConfig, overlap: bool) -> Result<()> {
-        let s = &self.dev.stream;
-        self.dev.ctx.bind_to_thread()?;
+    /// `params` must point to the kernel's parameters, in order, each valid until the call
+    /// returns, and every pointer among them valid for what the kernel does with `cfg`. With
+    /// `overlap`, its blocks may start once every block of the kernel launched before it has
+    /// called `allow_next_grid` or exited; kernels call it only after their own
+    /// `wait_prior_grids`, so all the kernels before that one have finished: each thread must
+    /// call `wait_prior_grids` before it writes memory, or reads memory that the kernel
+    /// launched just before it may write.
+    pub(crate) unsafe fn launch_raw(
+        &self,
+        name: &str,
+        params: &mut [*mut c_void],
+        cfg: LaunchConfig,
+        overlap: bool,
+    ) -> Result<()> {
+        let s = &self.stream;
+        self.ctx.bind_to_thread()?;
         let mut attr = sys::CUlaunchAttribute {
             id: sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION,
             pad: [0; 4],
@@ -257,15 +241,15 @@ impl<'a> Launch<'a> {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(overlap && self.dev.overlap),
+            numAttrs: u32::from(overlap && self.overlap),
         };
         // SAFETY: the config and attribute outlive the call; the parameters are the kernel's
         // and live until the launch (the caller's contract); the function is of this context.
         let r = unsafe {
             sys::cuLaunchKernelEx(
                 &config,
-                self.f.cu_function(),
-                self.params.as_mut_ptr(),
+                self.kernel(name).cu_function(),
+                params.as_mut_ptr(),
                 std::ptr::null_mut(),
             )
         };
@@ -300,12 +284,17 @@ pub(crate) fn check(ok: bool, what: &str) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    /// The kernel that a line of PTX opens (`.visible .entry NAME(`), if it opens one.
+    fn entry_name(line: &str) -> Option<&str> {
+        line.strip_prefix(".visible .entry ")?.split('(').next()
+    }
+
     /// The kernels of `ptx` that keep a frame in local memory (a `.local` declaration).
     fn kernels_with_local_memory(ptx: &str) -> Vec<&str> {
         let mut kernel = None;
         let mut found = Vec::new();
         for line in ptx.lines() {
-            if let Some(name) = super::entry_name(line) {
+            if let Some(name) = entry_name(line) {
                 kernel = Some(name);
             } else if line.trim_start().starts_with(".local")
                 && let Some(k) = kernel
@@ -328,6 +317,23 @@ mod tests {
             assert!(
                 found.is_empty(),
                 "{build} kernels with local memory: {found:?}"
+            );
+        }
+    }
+
+    /// The entry points of both PTX builds are those that `kernel_abi::kernels!` declares
+    /// (gpu-kernels expands its entry points from the same list): a kernel written outside the
+    /// declarations fails here. Reads the embedded PTX: no GPU needed.
+    #[test]
+    fn every_kernel_is_declared_and_in_the_ptx() {
+        let mut declared = super::kernels::ENTRIES.to_vec();
+        declared.sort_unstable();
+        for (build, ptx) in [("sm_80", crate::PTX), ("sm_90", crate::PTX_SM90)] {
+            let mut entries: Vec<&str> = ptx.lines().filter_map(entry_name).collect();
+            entries.sort_unstable();
+            assert_eq!(
+                entries, declared,
+                "{build}: the PTX's entry points and the declared"
             );
         }
     }

@@ -1,15 +1,14 @@
 //! Launch helpers of the paged family (gpu-kernels/src/paged.rs): the KV cache of batched
 //! steps, kept in fixed-size blocks of f16 rows, and what ends a batched step.
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use kernel_abi::paged::{WARPS, attention_shared_bytes};
 
+use super::kernels::{DevPtr, DevPtrMut, GatherRows, PagedAttention, RopeKvPaged};
 use super::{BLOCK, Device, allow_shared, check, u32_of};
 use crate::Result;
 
-/// Query rows of one sequence a block of `paged_attention` takes (gpu-kernels' `ITEM_ROWS`).
-pub const ITEM_ROWS: usize = 8;
-/// Keys of the kernel's tiles and its warps, for the size of its shared memory.
-const TILE: usize = 32;
-const WARPS: usize = 8;
+/// Query rows of one sequence a block of `paged_attention` takes.
+pub const ITEM_ROWS: usize = kernel_abi::paged::ITEM_ROWS as usize;
 
 /// One layer's paged KV cache: `slots = blocks * block_tokens` rows of `kv_dim` f16 for keys
 /// and for values. Cache row `b * block_tokens + i` is token `i` of block `b`.
@@ -52,12 +51,6 @@ impl AttentionItem {
             .flat_map(|i| [i.row, i.rows, i.pos, i.table])
             .collect()
     }
-}
-
-/// Shared memory of a `paged_attention` block (gpu-kernels' `attention_shared_floats`).
-fn attention_shared_bytes(head_dim: usize, group: usize) -> u32 {
-    let vectors = ITEM_ROWS * group;
-    (4 * (TILE * (2 * head_dim + 1) + 2 * vectors * head_dim + 2 * vectors + WARPS * TILE)) as u32
 }
 
 impl Device {
@@ -109,30 +102,32 @@ impl Device {
             shared_mem_bytes: 0,
         };
         let s = self.stream();
-        let (qp, _q) = q.device_ptr_mut(s);
-        let (kp, _k) = k.device_ptr(s);
-        let (vp, _v) = v.device_ptr(s);
-        let (kc, _kc) = kv.k.device_ptr_mut(s);
-        let (vc, _vc) = kv.v.device_ptr_mut(s);
-        let (pp, _p) = positions.device_ptr(s);
-        let (sp, _s) = slots.device_ptr(s);
-        let (tp, _t) = table.device_ptr(s);
-        let mut l = self.launch("rope_kv_paged");
-        l.arg(&qp)
-            .arg(&kp)
-            .arg(&vp)
-            .arg(&kc)
-            .arg(&vc)
-            .arg(&pp)
-            .arg(&sp)
-            .arg(&tp);
-        l.arg(&n_heads).arg(&n_kv).arg(&half).arg(&max_pos);
-        // SAFETY: parameters (f32*, const f32*, const f32*, u16*, u16*, const u32*, const u32*,
-        // const f32*, u32, u32, u32, u32); each block reads its row of q, k, v, positions and
-        // slots (checked above) and writes cache row slots[r], which the caller keeps below
-        // the cache's rows; positions at or past max_pos trap.
-        unsafe { l.run(cfg, false) }?;
-        Ok(())
+        let (q, _q) = DevPtrMut::of(q, s);
+        let (k, _k) = DevPtr::of(k, s);
+        let (v, _v) = DevPtr::of(v, s);
+        let (k_cache, _kc) = DevPtrMut::of(&mut kv.k, s);
+        let (v_cache, _vc) = DevPtrMut::of(&mut kv.v, s);
+        let (positions, _p) = DevPtr::of(positions, s);
+        let (slots, _s) = DevPtr::of(slots, s);
+        let (table, _t) = DevPtr::of(table, s);
+        let p = RopeKvPaged {
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            positions,
+            slots,
+            table,
+            n_heads,
+            n_kv,
+            half,
+            max_pos,
+        };
+        // SAFETY: each block reads its row of q, k, v, positions and slots (checked above) and
+        // writes cache row slots[r], which the caller keeps inside the cache; positions at or
+        // past max_pos trap.
+        unsafe { p.launch(self, RopeKvPaged::rope_kv_paged, cfg, false) }
     }
 
     /// Causal GQA attention of the rows of `q = [rows, n_heads * head_dim]` over the paged
@@ -165,12 +160,11 @@ impl Device {
                 && q.len().is_multiple_of(n_heads * head_dim),
             "paged_attention: shapes",
         )?;
-        let shared = attention_shared_bytes(head_dim, n_heads / n_kv);
-        let f = self.kernel("paged_attention");
-        allow_shared(f, shared)?;
+        let shared = attention_shared_bytes(head_dim as u32, (n_heads / n_kv) as u32);
+        allow_shared(self.function(PagedAttention::paged_attention), shared)?;
         let cfg = LaunchConfig {
             grid_dim: (u32_of(n_items, "paged_attention: items")?, n_kv as u32, 1),
-            block_dim: ((WARPS * 32) as u32, 1, 1),
+            block_dim: (WARPS * 32, 1, 1),
             shared_mem_bytes: shared,
         };
         let scale = 1.0 / (head_dim as f32).sqrt();
@@ -181,21 +175,29 @@ impl Device {
             u32_of(block_tokens, "paged_attention: block_tokens")?,
         );
         let s = self.stream();
-        let (op, _o) = out.device_ptr_mut(s);
-        let (qp, _q) = q.device_ptr(s);
-        let (kc, _kc) = kv.k.device_ptr(s);
-        let (vc, _vc) = kv.v.device_ptr(s);
-        let (ip, _i) = items.device_ptr(s);
-        let (tp, _t) = tables.device_ptr(s);
-        let mut l = self.launch("paged_attention");
-        l.arg(&op).arg(&qp).arg(&kc).arg(&vc).arg(&ip).arg(&tp);
-        l.arg(&n_heads).arg(&n_kv).arg(&hd).arg(&bt).arg(&scale);
-        // SAFETY: parameters (f32*, const f32*, const u16*, const u16*, const u32*, const u32*,
-        // u32, u32, u32, u32, f32). The items' rows lie in q and out and their block tables in
-        // tables, covering every key up to each row's position, with block ids inside the
-        // cache: the batch's builder (`cuda::batch`) guarantees it.
-        unsafe { l.run(cfg, false) }?;
-        Ok(())
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (q, _q) = DevPtr::of(q, s);
+        let (k_cache, _kc) = DevPtr::of(&kv.k, s);
+        let (v_cache, _vc) = DevPtr::of(&kv.v, s);
+        let (items, _i) = DevPtr::of(items, s);
+        let (tables, _t) = DevPtr::of(tables, s);
+        let p = PagedAttention {
+            out,
+            q,
+            k_cache,
+            v_cache,
+            items,
+            tables,
+            n_heads,
+            n_kv,
+            hd,
+            block_tokens: bt,
+            scale,
+        };
+        // SAFETY: the items' rows lie in q and out and their block tables in tables, covering
+        // every key up to each row's position, with block ids inside the cache: the batch's
+        // builder (`cuda::batch`) guarantees it.
+        unsafe { p.launch(self, PagedAttention::paged_attention, cfg, false) }
     }
 
     /// `out[r] = x[rows[r]]` for `n_out` rows of `n` floats.
@@ -218,14 +220,12 @@ impl Device {
             shared_mem_bytes: 0,
         };
         let s = self.stream();
-        let (op, _o) = out.device_ptr_mut(s);
-        let (xp, _x) = x.device_ptr(s);
-        let (rp, _r) = rows.device_ptr(s);
-        let mut l = self.launch("gather_rows");
-        l.arg(&op).arg(&xp).arg(&rp).arg(&n);
-        // SAFETY: parameters (f32*, const f32*, const u32*, u32); reads n_out row indices,
-        // which the caller keeps inside x, and writes n_out rows of out (checked).
-        unsafe { l.run(cfg, false) }?;
-        Ok(())
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (x, _x) = DevPtr::of(x, s);
+        let (rows, _r) = DevPtr::of(rows, s);
+        let p = GatherRows { out, x, rows, n };
+        // SAFETY: reads n_out row indices, which the caller keeps inside x, and writes n_out
+        // rows of out (checked).
+        unsafe { p.launch(self, GatherRows::gather_rows, cfg, false) }
     }
 }

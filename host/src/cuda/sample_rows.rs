@@ -1,12 +1,13 @@
 //! Launch helper of the batched sampler (gpu-kernels/src/sample_rows.rs): each row of a
 //! logits matrix sampled with its own parameters, penalties and draw.
-use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
+use kernel_abi::sampling::{
+    ARGMAX_SHARED_BYTES, ROW_PARAM_WORDS as PARAM_WORDS, SAMPLE_ROWS_THREADS,
+};
 
+use super::kernels::{DevPtr, DevPtrMut, SampleRows};
 use super::{Device, check, u32_of};
 use crate::Result;
-
-/// Words of a row's parameters (gpu-kernels' `PARAM_WORDS`).
-const PARAM_WORDS: usize = 10;
 
 /// How one row is sampled: `sampling::SamplingParams`' temperature, top-k (0 = off), top-p
 /// and min-p, the draw `uniform(seed, draw)`, and the penalties as `(id, scale, sub)` of
@@ -135,30 +136,29 @@ impl Device {
         )?;
         let cfg = LaunchConfig {
             grid_dim: (u32_of(n_rows, "sample_rows: rows")?, 1, 1),
-            // 512: the kernel's registers do not fit 1024 threads.
-            block_dim: (512, 1, 1),
-            shared_mem_bytes: 64 * 4,
+            block_dim: (SAMPLE_ROWS_THREADS, 1, 1),
+            shared_mem_bytes: ARGMAX_SHARED_BYTES,
         };
         let n = u32_of(vocab, "sample_rows: vocab")?;
         let s = self.stream();
-        let (op, _o) = out.device_ptr_mut(s);
-        let (lp, _l) = logits.device_ptr_mut(s);
-        let (pp, _p) = pd.device_ptr(s);
-        let (ip, _i) = idd.device_ptr(s);
-        let (sp, _s) = sd.device_ptr(s);
-        let (dp, _d) = dd.device_ptr(s);
-        let mut l = self.launch("sample_rows");
-        l.arg(&op)
-            .arg(&lp)
-            .arg(&n)
-            .arg(&pp)
-            .arg(&ip)
-            .arg(&sp)
-            .arg(&dp);
-        // SAFETY: parameters (u32*, f32*, u32, const u32*, const u32*, const f32*, const f32*);
-        // each block reads its row's PARAM_WORDS words (uploaded for at least n_rows rows, their
-        // penalties inside the buffers) and its row of logits, and writes out[r] (checked).
-        unsafe { l.run(cfg, false) }?;
-        Ok(())
+        let (out, _o) = DevPtrMut::of(out, s);
+        let (logits, _l) = DevPtrMut::of(logits, s);
+        let (params, _p) = DevPtr::of(pd, s);
+        let (pen_ids, _i) = DevPtr::of(idd, s);
+        let (pen_scale, _s) = DevPtr::of(sd, s);
+        let (pen_sub, _d) = DevPtr::of(dd, s);
+        let p = SampleRows {
+            out,
+            logits,
+            n,
+            params,
+            pen_ids,
+            pen_scale,
+            pen_sub,
+        };
+        // SAFETY: each block reads its row's PARAM_WORDS words (uploaded for at least n_rows
+        // rows, their penalties inside the buffers) and its row of logits, and writes out[r]
+        // (checked).
+        unsafe { p.launch(self, SampleRows::sample_rows, cfg, false) }
     }
 }

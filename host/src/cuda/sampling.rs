@@ -1,9 +1,11 @@
 //! Launch helpers for token choice: greedy argmax and the full sampler, both leaving the token
 //! id on the device.
-use cudarc::driver::{
-    CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+use cudarc::driver::{CudaFunction, CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
+use kernel_abi::sampling::{
+    ARGMAX_SHARED_BYTES, CANDIDATES_SHARED_WORDS, MAX_K, SAMPLE_SHARED_WORDS,
 };
 
+use super::kernels::{Argmax, DevPtr, DevPtrMut, Entry, Sample, SampleCandidates, SampleDev};
 use super::{Device, check};
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
@@ -14,16 +16,12 @@ use crate::{Error, Result};
 const SLICES: usize = 256;
 /// Threads per block of `sample_candidates`: two or three logits of a slice each.
 const CANDIDATES_THREADS: u32 = 256;
-/// Shared memory of `sample_candidates` and of `sample` in 4-byte words, apart from the
-/// penalty's bitmap (see the layout in gpu-kernels/src/sampling.rs).
-const CANDIDATES_SHARED_WORDS: usize = 2208;
-const SAMPLE_SHARED_WORDS: usize = 4256;
 /// Shared memory a block may have without opting in to more.
 const MAX_SHARED_BYTES: usize = 48 * 1024;
 
 impl Device {
     /// The largest `top_k` that `sample` handles: its candidates are sorted in shared memory.
-    pub const MAX_TOP_K: usize = 1024;
+    pub const MAX_TOP_K: usize = MAX_K as usize;
     /// The slices of the vocabulary whose top k `sample_candidates` keeps.
     pub const SAMPLE_SLICES: usize = SLICES;
 
@@ -36,16 +34,14 @@ impl Device {
         let cfg = LaunchConfig {
             grid_dim: (1, 1, 1),
             block_dim: (1024, 1, 1),
-            shared_mem_bytes: 64 * 4,
+            shared_mem_bytes: ARGMAX_SHARED_BYTES,
         };
         let n = x.len() as u32;
-        let (o, _o) = out.device_ptr_mut(self.stream());
-        let (x, _x) = x.device_ptr(self.stream());
-        let mut l = self.stream().launch_builder(self.kernel("argmax"));
-        l.arg(&o).arg(&x).arg(&n);
-        // SAFETY: parameters (u32*, const f32*, u32); reads n floats, writes one u32.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
+        let (out, _o) = DevPtrMut::of(out, self.stream());
+        let (x, _x) = DevPtr::of(x, self.stream());
+        let p = Argmax { out, x, n };
+        // SAFETY: reads n floats, writes one u32.
+        unsafe { p.launch(self, Argmax::argmax, cfg, false) }
     }
 
     /// Whether `sample` handles these params on the GPU: greedy (temperature 0), or top-k
@@ -89,19 +85,25 @@ impl Device {
                 && n_recent <= u32::MAX as usize,
             "sample: shapes",
         )?;
-        let (r, _r) = recent.device_ptr(self.stream());
-        let (v, i, slots, k) = self.sample_candidates(logits, scratch, r, n_recent as u32, 0, p)?;
-        let (f, cfg) = self.sample_launch("sample")?;
-        let (o, _o) = out.device_ptr_mut(self.stream());
-        let mut l = self.stream().launch_builder(f);
-        l.arg(&o).arg(&v).arg(&i).arg(&slots).arg(&k);
-        l.arg(&p.temperature).arg(&p.top_p).arg(&p.min_p);
-        l.arg(&p.seed).arg(&step);
-        // SAFETY: parameters (u32*, const f32*, const u32*, u32, u32, f32, f32, f32, u64,
-        // u64); it reads the `slots` candidates `sample_candidates` wrote to the scratch and
+        let (r, _r) = DevPtr::of(recent, self.stream());
+        let c = self.sample_candidates(logits, scratch, r, n_recent as u32, DevPtr::null(), p)?;
+        let cfg = self.sample_launch(Sample::sample)?;
+        let (out, _o) = DevPtrMut::of(out, self.stream());
+        let s = Sample {
+            out,
+            cand_v: c.values,
+            cand_i: c.ids,
+            slots: c.slots,
+            k: c.k,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+            step,
+        };
+        // SAFETY: it reads the `slots` candidates `sample_candidates` wrote to the scratch and
         // writes out[0]; shared memory as documented.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
+        unsafe { s.launch(self, Sample::sample, cfg, false) }
     }
 
     /// `sample` for a decode step whose position and draw live in device memory, so that a
@@ -134,45 +136,57 @@ impl Device {
         )?;
         let n_tokens = tokens.len() as u32;
         let stream = self.stream();
-        let (tp, _t) = tokens.device_ptr_mut(stream);
-        let (pp, _p) = pos.device_ptr_mut(stream);
-        let (v, i, slots, k) = self.sample_candidates(logits, scratch, tp, n_tokens, pp, p)?;
-        let (f, cfg) = self.sample_launch("sample_dev")?;
-        let (o, _o) = out.device_ptr_mut(stream);
-        let (sp, _s) = step.device_ptr_mut(stream);
-        let mut l = stream.launch_builder(f);
-        l.arg(&o).arg(&v).arg(&i).arg(&slots).arg(&k);
-        l.arg(&tp).arg(&n_tokens).arg(&pp).arg(&sp);
-        l.arg(&p.temperature)
-            .arg(&p.top_p)
-            .arg(&p.min_p)
-            .arg(&p.seed);
-        // SAFETY: parameters (u32*, const f32*, const u32*, u32, u32, u32*, u32, u32*, u64*,
-        // f32, f32, f32, u64); it reads the `slots` candidates `sample_candidates` wrote to
-        // the scratch, pos[0] (below n_tokens or it traps) and step[0], writes
-        // tokens[pos[0] + 1] only below n_tokens, out[0], pos[0] and step[0]; shared memory
-        // as documented.
-        unsafe { l.launch(cfg) }?;
-        Ok(())
+        let (tokens, _t) = DevPtrMut::of(tokens, stream);
+        let (pos, _p) = DevPtrMut::of(pos, stream);
+        let c = self.sample_candidates(
+            logits,
+            scratch,
+            tokens.as_const(),
+            n_tokens,
+            pos.as_const(),
+            p,
+        )?;
+        let cfg = self.sample_launch(SampleDev::sample_dev)?;
+        let (out, _o) = DevPtrMut::of(out, stream);
+        let (step, _s) = DevPtrMut::of(step, stream);
+        let s = SampleDev {
+            out,
+            cand_v: c.values,
+            cand_i: c.ids,
+            slots: c.slots,
+            k: c.k,
+            tokens,
+            n_tokens,
+            pos,
+            step,
+            temperature: p.temperature,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            seed: p.seed,
+        };
+        // SAFETY: it reads the `slots` candidates `sample_candidates` wrote to the scratch,
+        // pos[0] (below n_tokens or it traps) and step[0], writes tokens[pos[0] + 1] only
+        // below n_tokens, out[0], pos[0] and step[0]; shared memory as documented.
+        unsafe { s.launch(self, SampleDev::sample_dev, cfg, false) }
     }
 
     /// Launches `sample_candidates`: the penalty on `logits` and each slice's top k into
-    /// `scratch`, with the tokens so far `tokens[..n_tokens]`, or `tokens[..=pos[0]]` if the
-    /// device pointer `pos` is not 0. Returns the arguments that `sample` and `sample_dev`
-    /// take next: the candidates' values and ids (device pointers), their number and k.
+    /// `scratch`, with the tokens so far `tokens[..n_tokens]`, or `tokens[..=pos[0]]` if `pos`
+    /// is not null. Returns what `sample` and `sample_dev` take next.
     fn sample_candidates(
         &self,
         logits: &mut impl DevicePtrMut<f32>,
         scratch: &mut impl DevicePtrMut<u32>,
-        tokens: u64,
+        tokens: DevPtr<u32>,
         n_tokens: u32,
-        pos: u64,
+        pos: DevPtr<u32>,
         p: &SamplingParams,
-    ) -> Result<(u64, u64, u32, u32)> {
+    ) -> Result<Candidates> {
         let n = logits.len();
         let k = top_k_arg(p);
         let (slice, cap) = slicing(n, k as usize);
         let slots = SLICES * cap;
+        // The penalty's bitmap of the slice reuses the same words.
         let shared_bytes = 4 * CANDIDATES_SHARED_WORDS.max(slice.div_ceil(32));
         if shared_bytes > MAX_SHARED_BYTES {
             return Err(Error::Invalid(format!(
@@ -187,43 +201,67 @@ impl Device {
                 scratch.len() / 2
             )));
         }
-        let f = self.kernel("sample_candidates");
+        let entry = SampleCandidates::sample_candidates;
         let cfg = LaunchConfig {
             grid_dim: (SLICES as u32, 1, 1),
-            block_dim: (threads(f, CANDIDATES_THREADS, "sample_candidates")?, 1, 1),
+            block_dim: (
+                threads(self.function(entry), CANDIDATES_THREADS, entry.name())?,
+                1,
+                1,
+            ),
             shared_mem_bytes: shared_bytes as u32,
         };
-        let (n, slice, cap) = (n as u32, slice as u32, cap as u32);
-        let last_n = p.repeat_last_n.min(u32::MAX as usize) as u32;
         let stream = self.stream();
-        let (lp, _l) = logits.device_ptr_mut(stream);
-        let (v, _v) = scratch.device_ptr_mut(stream);
-        let i = v + 4 * slots as u64;
-        let mut l = stream.launch_builder(f);
-        l.arg(&v).arg(&i).arg(&cap).arg(&lp).arg(&n).arg(&slice);
-        l.arg(&tokens).arg(&n_tokens).arg(&pos).arg(&last_n);
-        l.arg(&p.repeat_penalty).arg(&k);
-        // SAFETY: parameters (f32*, u32*, u32, f32*, u32, u32, const u32*, u32, const u32*,
-        // u32, f32, u32); block b reads and writes logits [b * slice, (b + 1) * slice) below
-        // n (SLICES * slice >= n), writes values and ids [b * cap, (b + 1) * cap) of the
-        // scratch's 2 * SLICES * cap (checked above), reads pos[0] if pos is not 0 and then
-        // the tokens before n_tokens (or traps); the caller checked the tokens' bounds;
-        // shared memory as documented.
-        unsafe { l.launch(cfg) }?;
-        Ok((v, i, slots as u32, k))
+        let (logits, _l) = DevPtrMut::of(logits, stream);
+        // The values' bits, then the ids.
+        let (values, _v) = DevPtrMut::of(scratch, stream);
+        let ids = values.add(slots);
+        let c = SampleCandidates {
+            cand_v: values.cast(),
+            cand_i: ids,
+            cap: cap as u32,
+            logits,
+            n: n as u32,
+            slice: slice as u32,
+            tokens,
+            n_tokens,
+            pos,
+            last_n: p.repeat_last_n.min(u32::MAX as usize) as u32,
+            penalty: p.repeat_penalty,
+            k,
+        };
+        // SAFETY: block b reads and writes logits [b * slice, (b + 1) * slice) below n (SLICES
+        // * slice >= n), writes values and ids [b * cap, (b + 1) * cap) of the scratch's 2 *
+        // SLICES * cap (checked above), reads pos[0] if pos is not null and then the tokens
+        // before n_tokens (or traps); the caller checked the tokens' bounds; shared memory as
+        // documented.
+        unsafe { c.launch(self, entry, cfg, false) }?;
+        Ok(Candidates {
+            values: c.cand_v.as_const(),
+            ids: c.cand_i.as_const(),
+            slots: slots as u32,
+            k,
+        })
     }
 
-    /// The function and launch shape of the one-block sampling kernel `name`: a power of two
-    /// up to 1024 threads, with the candidates in shared memory.
-    fn sample_launch(&self, name: &str) -> Result<(&CudaFunction, LaunchConfig)> {
-        let f = self.kernel(name);
-        let cfg = LaunchConfig {
+    /// The launch shape of the one-block sampling kernel `entry`: a power of two up to 1024
+    /// threads, with the candidates in shared memory.
+    fn sample_launch<K>(&self, entry: Entry<K>) -> Result<LaunchConfig> {
+        Ok(LaunchConfig {
             grid_dim: (1, 1, 1),
-            block_dim: (threads(f, 1024, name)?, 1, 1),
+            block_dim: (threads(self.function(entry), 1024, entry.name())?, 1, 1),
             shared_mem_bytes: 4 * SAMPLE_SHARED_WORDS as u32,
-        };
-        Ok((f, cfg))
+        })
     }
+}
+
+/// What `sample_candidates` leaves for `sample` and `sample_dev`: the candidates' values and
+/// ids in the scratch, their number and k.
+struct Candidates {
+    values: DevPtr<f32>,
+    ids: DevPtr<u32>,
+    slots: u32,
+    k: u32,
 }
 
 /// `(slice, cap)` of the samplers for `n` logits and top-k `k`: each of the `SLICES` blocks
