@@ -7,7 +7,7 @@
 //! A matrix of `rows` rows of `n_in` elements is `rows · n_in / 32` chunks of 32 consecutive
 //! elements of a row, chunk `c` = row `c / (n_in / 32)`. Each element has an unsigned quant
 //! `q` of `4 + BITS` bits and the weight is `s·(q - ZERO) - m`, where `s` is the scale of the
-//! element's half of the chunk and `m` its min (per type, see [`Packing`]). Four sections,
+//! element's half of the chunk and `m` its min (per type, see `Packing`). Four sections,
 //! each starting 16-byte aligned, in this order:
 //!
 //! - `lo`: 16 bytes per chunk, byte `i` = `q[i] & 15 | (q[i + 16] & 15) << 4`.
