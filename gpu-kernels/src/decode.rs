@@ -170,7 +170,7 @@ pub(crate) unsafe fn attn_qkv<const F: u32>(p: AttnQkv) {
             // by the weights of the layers since: into L2 while the projections run, as long
             // as its blocks have one tile each. Beyond, a block loads each tile during the
             // one before's math, and bringing every row in here holds this kernel back more
-            // than it saves (decode at 7,900 keys: 1,631 tok/s without, 1,569 with).
+            // than it saves.
             if p < ONE_TILE_KEYS {
                 let bytes = (p as usize + 1) * kv_dim * 4;
                 prefetch_l2(k_cache, bytes);
@@ -550,7 +550,7 @@ impl Sketch for Q8Sketch {
         unsafe { self.w.top_chunk(row, c) }
     }
 
-    /// The lane's chunk as digits (taken once a pass; H100 decode +0.5%), and `Σ|x|` widened
+    /// The lane's chunk as digits (taken once a pass), and `Σ|x|` widened
     /// to cover them (`quant::DIGIT_RADIUS`).
     #[inline(always)]
     fn prepare(x: Held, x_abs: f32) -> (Held, f32) {
@@ -662,10 +662,8 @@ unsafe fn logit_bounds_with<S: Sketch>(
     let (units, stride) = (n_out.div_ceil(4), grid_dim() * warps);
     let row = |u: u32, k: u32| (4 * u.min(units - 1) + k).min(n_out - 1);
     // Units past the end load the last one again, so that every load is unconditional. Four
-    // rows a warp: what a warp has in flight is what keeps this pass near the DRAM's pace
-    // (H100, q8_0: two rows a warp, 80 registers and 3 blocks an SM, decode 2,190 tok/s; four,
-    // 127 and 2, 2,215; f16, four rows take 148 registers, 1 block an SM: 1,675, and capped at
-    // 128, spilling, 1,659).
+    // rows a warp: what a warp has in flight is what keeps this pass near the DRAM's pace,
+    // more than the blocks an SM that fewer registers would allow.
     let load = |u: u32| unsafe {
         (
             w.top(row(u, 0) as usize, c),

@@ -198,7 +198,7 @@ impl<T: Float> Weights for Plain<T> {
     /// Group `g` of every chunk in one stretch, chunk by chunk: a warp's lanes, which take
     /// neighbouring chunks, then read neighbouring 8-weight groups, each load one coalesced
     /// run (with a whole chunk a lane, each 16-byte f16 load would stride 64 bytes from lane
-    /// to lane: f16 decode on an H100 1,670 → 1,824 tok/s).
+    /// to lane).
     #[inline(always)]
     fn group_at(c: u32, g: u32, n_chunks: u32) -> u32 {
         8 * (g * n_chunks + c)
@@ -206,9 +206,9 @@ impl<T: Float> Weights for Plain<T> {
 }
 
 /// The types one compiled kernel serves: a kernel has its hungriest type's registers and every
-/// type's code, so decode kernels are built per family (`decode.rs`), the packed types in two
-/// (H100 native decode: one build for all six 2,242 tok/s, one per half 2,275; one per type
-/// 2,069, the model's FFN down then alternating between two kernels from layer to layer).
+/// type's code, so decode kernels are built per family (`decode.rs`), the packed types in two.
+/// One build per type is slower still: a model's FFN down then alternates between two kernels
+/// from layer to layer.
 pub mod family {
     // The families' ids, and the family of each type (`of`).
     pub use kernel_abi::family::*;
@@ -423,9 +423,9 @@ pub(crate) fn after_staging(n: u32) -> *mut u32 {
 /// `max(32, 2·warps)` f32 (rounded up to a multiple of 4) of reductions' slots, then `STAGED`
 /// f32 per chunk.
 ///
-/// Digits only where they pay (H100, native decode): FFN gate/up +0.9%, down +0.2%; the
-/// attention's q/k/v −3.8% and output projection −4.3%, whose few warps wait on the staging's
-/// extra steps more than they gain from shorter dots.
+/// Digits only where they pay: FFN gate/up and down, whose many warps an SM hide the staging's
+/// extra steps; not the attention's q/k/v and output projection, whose few warps wait on
+/// those steps more than they gain from shorter dots.
 #[inline(always)]
 pub(crate) fn stage<W: Weights, const DIGITS: bool>(
     x: impl Vector,

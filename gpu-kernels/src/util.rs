@@ -194,7 +194,7 @@ pub fn lanes_max_u32(mut v: u32, lanes: u32) -> u32 {
 /// (and, through a barrier, its block's) before the count; its acquire, in the last caller,
 /// orders what the callers before it released before its reads after it (and, through a
 /// barrier, its block's). One instruction costs less than the same with a fence before and
-/// after a relaxed atomic (H100: decode +1.9%).
+/// after a relaxed atomic.
 #[inline(always)]
 pub unsafe fn count_last(p: *mut u32, n: u32) -> bool {
     let old: u32;

@@ -173,9 +173,9 @@ impl Device {
     /// once for all their units: as many units per block as leave one block per SM, or where
     /// such blocks do not fit (the kernel's registers), two, three or four, but never fewer than
     /// `full_block_units`; else `geometry`'s. The fewer the blocks, the fewer the
-    /// copies of the vector read from L2 (rows of 4864 floats, FFN down: 448 blocks read 8.7 MB
-    /// of it, 112 blocks 2.2 MB); and a small matrix does better on fewer SMs in larger blocks
-    /// than on every SM (H100, wo: 56 blocks of 8 warps +1.5% decode over 112 of 4).
+    /// copies of the vector read from L2 (each block stages the whole vector); and a small
+    /// matrix does better on fewer SMs in larger blocks than spread over every SM (measured:
+    /// docs/performance.md).
     fn staged_geometry<K>(
         &self,
         entry: Entry<K>,
@@ -497,11 +497,10 @@ impl Device {
         }
         let n_out32 = u32_of(n_out, what)?;
         // Units are pairs of rows. Packed weights: few blocks of many units, which the kernel
-        // serves from one staged copy of v each (H100, decode +2.8%: FFN down 448 blocks ->
-        // 112, wo 224 -> 112; wo now 56, `staged_geometry`'s smallest blocks). So too the
-        // attention's sums, for every type (f16's wo: +13% over each lane loading its own
-        // chunk of the f64 sums). Plain floats otherwise as before: f16's wo so staged was
-        // -3.4% when it read floats (its 1.6 MB of weights want every SM's loads).
+        // serves from one staged copy of v each (`staged_geometry`). So too the attention's
+        // sums, for every type: staging them beats each lane loading its own chunk of the f64
+        // sums. Plain floats otherwise: their larger weights want every SM's loads more than
+        // they gain from one staged copy.
         let staged = packed(w.ty()) || matches!(input, Input::Sums(..));
         let (fam, ty, n_in32) = (family(w.ty()), w.ty() as u32, u32_of(n_in, what)?);
         let s = self.stream();
