@@ -638,7 +638,7 @@ impl CudaModel {
 
         for w in &mut self.layers {
             // Attention block: q/k/v, RoPE at pos.., the cache append, causal attention.
-            qkv(dev, c, w, b, n, false)?;
+            qkv(dev, c, w, b, n, Product::Matmul)?;
             dev.rope_neox(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.pos,
@@ -672,8 +672,8 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            attn_output(dev, w, b, n, hidden, false)?;
-            ffn(dev, c, w, b, n, false)?;
+            attn_output(dev, w, b, n, hidden, Product::Matmul)?;
+            ffn(dev, c, w, b, n, Product::Matmul)?;
         }
 
         // Final norm and output projection, for the rows asked for.
@@ -725,7 +725,7 @@ impl CudaModel {
         for (w, kv) in self.layers.iter_mut().zip(kv) {
             // Attention block: q/k/v, RoPE at each row's position and the store into its cache
             // slot, attention over each sequence's blocks.
-            qkv(dev, c, w, b, n, true)?;
+            qkv(dev, c, w, b, n, Product::Rows)?;
             dev.rope_kv_paged(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.k,
@@ -751,8 +751,8 @@ impl CudaModel {
                 c.head_dim,
                 step.block_tokens,
             )?;
-            attn_output(dev, w, b, n, hidden, true)?;
-            ffn(dev, c, w, b, n, true)?;
+            attn_output(dev, w, b, n, hidden, Product::Rows)?;
+            ffn(dev, c, w, b, n, Product::Rows)?;
         }
         Ok(())
     }
@@ -812,21 +812,29 @@ pub(crate) struct StepInputs {
     pub block_tokens: usize,
 }
 
-/// `dev.matmul_rows` for the batched pass (`batched`: each row's values independent of the
-/// batch), else `dev.matmul` (the single sequence's prefill and decode).
-fn product(
-    dev: &Device,
-    batched: bool,
-    y: &mut impl DevicePtrMut<f32>,
-    x: &impl DevicePtr<f32>,
-    w: &GpuMatrix,
-    bias: Option<&CudaSlice<f32>>,
-    n: usize,
-) -> Result<()> {
-    if batched {
-        dev.matmul_rows(y, x, w, bias, n)
-    } else {
-        dev.matmul(y, x, w, bias, n)
+/// Which matrix product a pass runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Product {
+    /// `Device::matmul`: the single sequence's prefill (the tiled tensor-core GEMM).
+    Matmul,
+    /// `Device::matmul_rows`: the batched pass, each row's values independent of the batch.
+    Rows,
+}
+
+impl Product {
+    fn run(
+        self,
+        dev: &Device,
+        y: &mut impl DevicePtrMut<f32>,
+        x: &impl DevicePtr<f32>,
+        w: &GpuMatrix,
+        bias: Option<&CudaSlice<f32>>,
+        n: usize,
+    ) -> Result<()> {
+        match self {
+            Product::Matmul => dev.matmul(y, x, w, bias, n),
+            Product::Rows => dev.matmul_rows(y, x, w, bias, n),
+        }
     }
 }
 
@@ -838,7 +846,7 @@ fn qkv(
     w: &Layer,
     b: &mut Buffers,
     n: usize,
-    batched: bool,
+    product: Product,
 ) -> Result<()> {
     let (hidden, kv_dim) = (c.hidden, c.kv_dim());
     dev.rms_norm(
@@ -848,33 +856,10 @@ fn qkv(
         c.rms_eps,
     )?;
     let xb = view(&b.xb, n * hidden);
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.q, n * hidden),
-        &xb,
-        &w.wq,
-        Some(&w.bq),
-        n,
-    )?;
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.k, n * kv_dim),
-        &xb,
-        &w.wk,
-        Some(&w.bk),
-        n,
-    )?;
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.v, n * kv_dim),
-        &xb,
-        &w.wv,
-        Some(&w.bv),
-        n,
-    )
+    let mm = |y: &mut CudaViewMut<f32>, w, bias| product.run(dev, y, &xb, w, bias, n);
+    mm(&mut view_mut(&mut b.q, n * hidden), &w.wq, Some(&w.bq))?;
+    mm(&mut view_mut(&mut b.k, n * kv_dim), &w.wk, Some(&w.bk))?;
+    mm(&mut view_mut(&mut b.v, n * kv_dim), &w.wv, Some(&w.bv))
 }
 
 /// The attention block's end: the output projection of `b.att`, added to the residual.
@@ -884,17 +869,10 @@ fn attn_output(
     b: &mut Buffers,
     n: usize,
     hidden: usize,
-    batched: bool,
+    product: Product,
 ) -> Result<()> {
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.xb, n * hidden),
-        &view(&b.att, n * hidden),
-        &w.wo,
-        None,
-        n,
-    )?;
+    let (att, mut out) = (view(&b.att, n * hidden), view_mut(&mut b.xb, n * hidden));
+    product.run(dev, &mut out, &att, &w.wo, None, n)?;
     dev.add(
         &mut view_mut(&mut b.x, n * hidden),
         &view(&b.xb, n * hidden),
@@ -908,9 +886,9 @@ fn ffn(
     w: &Layer,
     b: &mut Buffers,
     n: usize,
-    batched: bool,
+    product: Product,
 ) -> Result<()> {
-    let hidden = c.hidden;
+    let (hidden, ffn) = (c.hidden, c.ffn);
     dev.rms_norm(
         &mut view_mut(&mut b.xb, n * hidden),
         &view(&b.x, n * hidden),
@@ -918,37 +896,12 @@ fn ffn(
         c.rms_eps,
     )?;
     let xb = view(&b.xb, n * hidden);
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.gate, n * c.ffn),
-        &xb,
-        &w.w_gate,
-        None,
-        n,
-    )?;
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.up, n * c.ffn),
-        &xb,
-        &w.w_up,
-        None,
-        n,
-    )?;
-    dev.silu_mul(
-        &mut view_mut(&mut b.gate, n * c.ffn),
-        &view(&b.up, n * c.ffn),
-    )?;
-    product(
-        dev,
-        batched,
-        &mut view_mut(&mut b.xb, n * hidden),
-        &view(&b.gate, n * c.ffn),
-        &w.w_down,
-        None,
-        n,
-    )?;
+    let mm = |y: &mut CudaViewMut<f32>, w| product.run(dev, y, &xb, w, None, n);
+    mm(&mut view_mut(&mut b.gate, n * ffn), &w.w_gate)?;
+    mm(&mut view_mut(&mut b.up, n * ffn), &w.w_up)?;
+    dev.silu_mul(&mut view_mut(&mut b.gate, n * ffn), &view(&b.up, n * ffn))?;
+    let (gate, mut out) = (view(&b.gate, n * ffn), view_mut(&mut b.xb, n * hidden));
+    product.run(dev, &mut out, &gate, &w.w_down, None, n)?;
     dev.add(
         &mut view_mut(&mut b.x, n * hidden),
         &view(&b.xb, n * hidden),
