@@ -24,7 +24,8 @@ use std::time::Instant;
 use crate::chat::Message;
 use crate::cpu::model::CpuModel;
 use crate::cuda::Device;
-use crate::cuda::model::{CudaModel, WeightFormat};
+use crate::cuda::decode_pipeline::DecodePipeline;
+use crate::cuda::model::WeightFormat;
 use crate::gguf::Gguf;
 use crate::models::Progress;
 use crate::sampling::{SamplingParams, sample};
@@ -154,7 +155,7 @@ pub enum Event {
 #[allow(clippy::large_enum_variant)] // one per engine; boxing buys nothing
 enum Model {
     Cpu(CpuModel),
-    Cuda(CudaModel),
+    Cuda(DecodePipeline),
 }
 
 impl Model {
@@ -168,7 +169,7 @@ impl Model {
     fn max_ctx(&self) -> usize {
         match self {
             Model::Cpu(m) => m.max_ctx(),
-            Model::Cuda(m) => m.max_ctx(),
+            Model::Cuda(m) => m.model().max_ctx(),
         }
     }
 
@@ -215,8 +216,8 @@ fn load_model(
     Ok(match gpu {
         Some(dev) => {
             let name = dev.name()?;
-            let m = CudaModel::load(dev, g, ctx, opts.weights, progress)?;
-            let vocab = m.cfg.vocab;
+            let m = DecodePipeline::load(dev, g, ctx, opts.weights, progress)?;
+            let vocab = m.model().cfg.vocab;
             (Model::Cuda(m), name, vocab)
         }
         None => {
@@ -290,7 +291,7 @@ impl Engine {
     pub fn weight_bytes_per_token(&self) -> u64 {
         match &self.model {
             Model::Cpu(m) => m.weight_bytes_per_token(),
-            Model::Cuda(m) => m.weight_bytes_per_token(),
+            Model::Cuda(m) => m.model().weight_bytes_per_token(),
         }
     }
 
@@ -298,7 +299,7 @@ impl Engine {
     pub fn gpu_memory_used(&self) -> Option<u64> {
         match &self.model {
             Model::Cpu(_) => None,
-            Model::Cuda(m) => m.gpu_memory_used().ok(),
+            Model::Cuda(m) => m.model().gpu_memory_used().ok(),
         }
     }
 

@@ -4,7 +4,8 @@
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use orcd::cuda::Device;
-use orcd::cuda::model::{CudaModel, WeightFormat};
+use orcd::cuda::decode_pipeline::DecodePipeline;
+use orcd::cuda::model::WeightFormat;
 use orcd::sampling::SamplingParams;
 use orcd_tests::{cpu_model, gguf, ref_prompts};
 
@@ -12,9 +13,9 @@ use orcd_tests::{cpu_model, gguf, ref_prompts};
 const NEAR_TIE: f32 = 0.1;
 
 /// The model on the GPU with `weights`, loaded once per format; `None` without a GPU.
-fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
-    static NATIVE: OnceLock<Mutex<CudaModel>> = OnceLock::new();
-    static F16: OnceLock<Mutex<CudaModel>> = OnceLock::new();
+fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, DecodePipeline>> {
+    static NATIVE: OnceLock<Mutex<DecodePipeline>> = OnceLock::new();
+    static F16: OnceLock<Mutex<DecodePipeline>> = OnceLock::new();
     let cell = match weights {
         WeightFormat::Native => &NATIVE,
         WeightFormat::F16 => &F16,
@@ -22,7 +23,7 @@ fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
     if cell.get().is_none() {
         let dev = orcd_tests::gpu()?;
         let _ = cell.set(Mutex::new(
-            CudaModel::load(dev, gguf(), 4096, weights, &mut |_| {}).unwrap(),
+            DecodePipeline::load(dev, gguf(), 4096, weights, &mut |_| {}).unwrap(),
         ));
     }
     // A test that failed holding the model leaves it usable for the others.
@@ -38,7 +39,7 @@ fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, CudaModel>> {
 /// token `i`, and `more` the tokens still to come (with `ahead`) or 0; before token `bad`, a
 /// call with an id outside the vocabulary must fail.
 fn sampled_run(
-    m: &mut CudaModel,
+    m: &mut DecodePipeline,
     prompt: &[u32],
     n: usize,
     ahead: bool,
@@ -91,7 +92,8 @@ fn sm80_build_generates_as_the_default_build() {
         return;
     };
     let dev = Device::open_sm80(0).unwrap();
-    let mut sm80 = CudaModel::load(dev, gguf(), 4096, WeightFormat::Native, &mut |_| {}).unwrap();
+    let mut sm80 =
+        DecodePipeline::load(dev, gguf(), 4096, WeightFormat::Native, &mut |_| {}).unwrap();
     let (prompt, eos) = (&ref_prompts()[0].ids, []);
     let greedy = gpu_greedy(&mut m, prompt, 32, &eos);
     assert_eq!(gpu_greedy(&mut sm80, prompt, 32, &eos), greedy);
@@ -108,7 +110,7 @@ fn sm80_build_generates_as_the_default_build() {
 /// position. Returns (agreeing positions, positions).
 fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
     let mut m = gpu_model(weights)?;
-    let vocab = m.cfg.vocab;
+    let vocab = m.model().cfg.vocab;
     let (mut agree, mut total, mut worst) = (0, 0, 0.0f32);
     for p in ref_prompts() {
         m.reset();
@@ -176,7 +178,7 @@ fn top2(row: &[f32]) -> (u32, u32, f32) {
 }
 
 /// Greedy tokens of the GPU (sampled on the GPU) until `n` tokens or an end token.
-fn gpu_greedy(m: &mut CudaModel, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
+fn gpu_greedy(m: &mut DecodePipeline, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u32> {
     m.reset();
     let greedy = SamplingParams::greedy();
     let mut out = vec![m.next_token(prompt, &greedy, 0, n - 1).unwrap()];
@@ -200,7 +202,7 @@ fn gpu_greedy(m: &mut CudaModel, prompt: &[u32], n: usize, eos: &[u32]) -> Vec<u
 /// it is less (a near tie that rounding may flip), so the comparison goes on past near ties.
 /// Returns the CPU's tokens and the number of near ties passed.
 fn gpu_follows_cpu(
-    m: &mut CudaModel,
+    m: &mut DecodePipeline,
     what: &str,
     prompt: &[u32],
     n: usize,

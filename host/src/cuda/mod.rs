@@ -16,6 +16,7 @@ use kernels::{DevPtr, DevPtrMut};
 mod attention;
 pub mod batch;
 pub mod decode;
+pub mod decode_pipeline;
 mod gemm_rows;
 mod kernels;
 mod matmul;

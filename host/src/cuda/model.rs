@@ -5,17 +5,13 @@
 //! in registers by the kernels, as exact as the CPU's dequantization) or, with
 //! `WeightFormat::F16`, dequantized to f16 on the GPU at load; the embedding table in the
 //! file's type; norms and biases f32. The KV cache and every activation buffer are allocated
-//! at load, so nothing is allocated per token.
+//! at load, so nothing is allocated per token. The run-ahead decode of one sequence (graphs,
+//! slots) is `decode_pipeline`'s.
 use std::cell::{Cell, RefCell};
-use std::collections::VecDeque;
-use std::sync::Arc;
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
-use cudarc::driver::{
-    CudaEvent, CudaGraph, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr, DevicePtrMut,
-    PinnedHostSlice,
-};
+use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
+use super::decode_pipeline::GRAPH_STEPS;
 use super::paged::PagedKv;
 use super::{AttentionSums, BoundedArgmax, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
@@ -27,10 +23,6 @@ use crate::{Error, Result};
 
 /// Most tokens one prefill step runs; longer prompts go in chunks of this many.
 pub(crate) const MAX_BATCH: usize = 512;
-/// Decode steps per launch of the CUDA graph: a launch boundary (the graph's end, the copy of
-/// the tokens to the host, the next graph's start) costs several kernel boundaries.
-const GRAPH_STEPS: usize = 8;
-
 /// How the weight matrices are kept on the GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum WeightFormat {
@@ -85,8 +77,8 @@ struct Buffers {
     tokens: CudaSlice<u32>,
     /// Position of the first token of the current step, read by RoPE, the cache and attention.
     pos: CudaSlice<u32>,
-    /// The tokens a launch picks: `GRAPH_STEPS` for each of the two `Slot`s, then the
-    /// prefill's.
+    /// The tokens the device picks: `GRAPH_STEPS` for each of the decode pipeline's two
+    /// slots, then the prefill's.
     next: CudaSlice<u32>,
     /// Draws of the sampler so far: the sampler's `step`, advanced on the device.
     step: CudaSlice<u64>,
@@ -96,51 +88,9 @@ struct Buffers {
     cands: CudaSlice<u32>,
 }
 
-/// `steps` decode steps captured as a CUDA graph, with the sampling they were captured for,
-/// writing their tokens to `slot`'s part of `Buffers::next`.
-struct DecodeGraph {
-    sampling: SamplingParams,
-    slot: usize,
-    steps: usize,
-    graph: CudaGraph,
-}
-
-/// Where the tokens of a launch of decode steps are copied to (page-locked, so that the copy
-/// does not wait for work launched after it), and the event after the copy. Two, so that one
-/// launch runs while the host reads the other's tokens.
-struct Slot {
-    host: PinnedHostSlice<u32>,
-    copied: CudaEvent,
-}
-
-impl Slot {
-    fn new(dev: &Device, len: usize) -> Result<Slot> {
-        Ok(Slot {
-            host: dev.pinned(len)?,
-            copied: dev.event()?,
-        })
-    }
-
-    /// Copies `tokens` (on the device) here after the work on `stream` so far, and records
-    /// `copied` after the copy (with cudarc's event tracking off, the pinned buffer's own
-    /// event is never recorded).
-    fn fetch(&mut self, stream: &Arc<CudaStream>, tokens: &impl DevicePtr<u32>) -> Result<()> {
-        stream.memcpy_dtoh(tokens, &mut self.host)?;
-        self.copied.record(stream)?;
-        Ok(())
-    }
-
-    /// The first `n` tokens of the last `fetch`, once its copy is done.
-    fn tokens(&self, n: usize) -> Result<&[u32]> {
-        self.copied.synchronize()?;
-        Ok(&self.host.as_slice()?[..n])
-    }
-}
-
-// SAFETY: a CUDA graph may be launched from any thread (cudarc binds the context first); the
-// model that owns it is used by one thread at a time (`&mut self`), so it is never shared.
-unsafe impl Send for DecodeGraph {}
-
+/// The model on the GPU: its weights, its KV cache and activation buffers, and the forward
+/// passes over them (`forward_chunk`, `decode_step`, `forward_rows`). Single-sequence decoding
+/// wraps it in a `DecodePipeline`; the batching backend drives `forward_rows`.
 pub struct CudaModel {
     pub cfg: Config,
     dev: Device,
@@ -157,21 +107,6 @@ pub struct CudaModel {
     max_ctx: usize,
     /// Free device memory before the first allocation, to tell how much the model took.
     free_before: usize,
-    /// The decode steps as CUDA graphs, captured on first use.
-    graphs: Vec<DecodeGraph>,
-    /// The last token handed out: the device sampled it at `tokens[pos]` (and ran on from it
-    /// while `queued` or `launched` hold steps).
-    device_next: Option<u32>,
-    /// The sampling of the steps run ahead: the next call that continues with the last token
-    /// and this sampling takes their tokens.
-    ahead: Option<SamplingParams>,
-    /// Tokens the device picked after the last one handed out, in order, not yet handed out.
-    queued: VecDeque<u32>,
-    /// Launches of decode steps after those, oldest first: (slot, steps).
-    launched: VecDeque<(usize, usize)>,
-    slots: [Slot; 2],
-    /// The prefill's token, copied as a slot's are.
-    first: Slot,
 }
 
 impl CudaModel {
@@ -273,13 +208,6 @@ impl CudaModel {
             pos: 0,
             max_ctx,
             free_before,
-            graphs: Vec::new(),
-            ahead: None,
-            queued: VecDeque::new(),
-            launched: VecDeque::new(),
-            slots: [Slot::new(&dev, GRAPH_STEPS)?, Slot::new(&dev, GRAPH_STEPS)?],
-            first: Slot::new(&dev, 1)?,
-            device_next: None,
             cfg,
             dev,
         })
@@ -329,23 +257,58 @@ impl CudaModel {
     /// Empties the KV cache, for a new sequence.
     pub fn reset(&mut self) {
         self.pos = 0;
-        self.drop_ahead();
     }
 
-    /// Forgets the last token and the steps run ahead of it (they may still run, harmlessly:
-    /// whatever comes next sets the device's position and draw afresh).
-    fn drop_ahead(&mut self) {
-        self.device_next = None;
-        self.ahead = None;
-        self.queued.clear();
-        self.launched.clear();
+    /// Tokens in the KV cache.
+    pub(super) fn pos(&self) -> usize {
+        self.pos
+    }
+
+    /// Counts the token of a decode step run on the device into the cache.
+    pub(super) fn advance(&mut self) {
+        self.pos += 1;
+    }
+
+    /// Every token fed so far, read back from the device.
+    pub(super) fn fed_tokens(&self) -> Result<Vec<u32>> {
+        self.dev.download(&self.buf.tokens.slice(..self.pos))
+    }
+
+    /// Sets the device's position to the cache's end and the sampler's draw to `step`.
+    pub(super) fn set_position_and_draw(&mut self, step: u64) -> Result<()> {
+        let (dev, b) = (&self.dev, &mut self.buf);
+        dev.copy_to(&mut b.pos, &[self.pos as u32])?;
+        dev.copy_to(&mut b.step, &[step])
+    }
+
+    /// `n` of the tokens the device picked, from `first` (`Buffers::next`).
+    pub(super) fn picked(&self, first: usize, n: usize) -> CudaView<'_, u32> {
+        self.buf.next.slice(first..first + n)
+    }
+
+    /// Samples the token after the last one run (by `forward_chunk`) with `p` and draw `step`
+    /// on the device, into `Buffers::next[out]`.
+    pub(super) fn sample_last(&mut self, p: &SamplingParams, step: u64, out: usize) -> Result<()> {
+        // The sampler reads the position of the last token run and the draw index.
+        let (dev, b) = (&self.dev, &mut self.buf);
+        dev.copy_to(&mut b.pos, &[self.pos as u32 - 1])?;
+        dev.copy_to(&mut b.step, &[step])?;
+        let mut logits = b.logits.slice_mut(..self.cfg.vocab);
+        let mut out = b.next.slice_mut(out..);
+        dev.sample_dev(
+            &mut out,
+            &mut logits,
+            &mut b.tokens,
+            &mut b.pos,
+            &mut b.step,
+            p,
+            &mut b.cands,
+        )
     }
 
     /// Runs `tokens` after the cache's end and returns the logits of the last token, or of every
     /// token (`[tokens.len(), vocab]`) when `all_logits`.
     pub fn forward(&mut self, tokens: &[u32], all_logits: bool) -> Result<Vec<f32>> {
-        // The device's next token (and the steps run ahead on it) no longer follow the cache.
-        self.drop_ahead();
         let vocab = self.cfg.vocab;
         let mut logits = Vec::with_capacity(if all_logits {
             tokens.len() * vocab
@@ -362,166 +325,10 @@ impl CudaModel {
         Ok(logits)
     }
 
-    /// Runs `tokens` and picks the next token on the GPU, so that only its id crosses to the
-    /// host. `step` numbers the draws of the sampler. One token after a token the GPU picked
-    /// is a decode step: a CUDA graph of up to `GRAPH_STEPS` steps, replayed. Anything else is
-    /// a prefill. `more`: at most this many tokens will be asked for after this one (unless
-    /// one ends the text); that many decode steps may run ahead, launched before the host
-    /// reads this token, in up to two launches (one runs while the host reads the other's).
-    pub fn next_token(
-        &mut self,
-        tokens: &[u32],
-        p: &SamplingParams,
-        step: u64,
-        more: usize,
-    ) -> Result<u32> {
-        if tokens.is_empty() {
-            return Err(Error::Invalid("next_token: no tokens to run".into()));
-        }
-        if !Device::can_sample(p) {
-            let mut logits = self.forward(tokens, false)?;
-            let recent = self.dev.download(&self.buf.tokens.slice(..self.pos))?;
-            return Ok(crate::sampling::sample(&mut logits, &recent, p, step));
-        }
-        // Taken, not read: a call that fails part-way leaves the next one a prefill, which sets
-        // the device's position and draw afresh.
-        let last = self.device_next.take();
-        let continues = tokens.len() == 1 && last == Some(tokens[0]);
-        let ahead = self.ahead.take();
-        if !(continues && ahead.as_ref() == Some(p)) {
-            let ran_ahead = ahead.is_some();
-            self.drop_ahead();
-            if continues && self.pos < self.max_ctx {
-                if ran_ahead {
-                    // The steps run ahead sampled otherwise: back to this step's position and
-                    // draw (they wrote this position's keys and values as this step will).
-                    let (dev, b) = (&self.dev, &mut self.buf);
-                    dev.copy_to(&mut b.pos, &[self.pos as u32])?;
-                    dev.copy_to(&mut b.step, &[step])?;
-                }
-                self.launch_steps(p, more.saturating_add(1))?;
-            } else {
-                return self.prefill(tokens, p, step, more);
-            }
-        }
-        // A decode step's token: the next of those read, or of the oldest launch.
-        if self.queued.is_empty() {
-            let (slot, steps) = self
-                .launched
-                .pop_front()
-                .ok_or_else(|| Error::Cuda("next_token: no decode steps launched".into()))?;
-            self.queued.extend(self.slots[slot].tokens(steps)?);
-        }
-        let next = self
-            .queued
-            .pop_front()
-            .ok_or_else(|| Error::Cuda("next_token: a launch of no steps".into()))?;
-        self.pos += 1;
-        self.run_ahead(p, more)?;
-        self.device_next = Some(next);
-        Ok(next)
-    }
-
-    /// `next_token` for tokens that do not continue the device's: runs them (a prefill) and
-    /// samples the next on the GPU; launches up to `more` decode steps after it before the
-    /// host reads it.
-    fn prefill(
-        &mut self,
-        tokens: &[u32],
-        p: &SamplingParams,
-        step: u64,
-        more: usize,
-    ) -> Result<u32> {
-        for chunk in tokens.chunks(MAX_BATCH) {
-            self.forward_chunk(chunk, false)?;
-        }
-        // The sampler reads the position of the last token run and the draw index.
-        let (dev, b) = (&self.dev, &mut self.buf);
-        dev.copy_to(&mut b.pos, &[self.pos as u32 - 1])?;
-        dev.copy_to(&mut b.step, &[step])?;
-        let mut logits = b.logits.slice_mut(..self.cfg.vocab);
-        let mut out = b.next.slice_mut(2 * GRAPH_STEPS..);
-        dev.sample_dev(
-            &mut out,
-            &mut logits,
-            &mut b.tokens,
-            &mut b.pos,
-            &mut b.step,
-            p,
-            &mut b.cands,
-        )?;
-        self.first.fetch(self.dev.stream(), &out)?;
-        self.run_ahead(p, more)?;
-        let next = self.first.tokens(1)?[0];
-        self.device_next = Some(next);
-        Ok(next)
-    }
-
-    /// Launches decode steps until `more` run ahead of the host (or no slot or cache room is
-    /// left); if any do, they carry the sampling `p` (`ahead`).
-    fn run_ahead(&mut self, p: &SamplingParams, more: usize) -> Result<()> {
-        while self.launch_steps(p, more)? {}
-        if !self.queued.is_empty() || !self.launched.is_empty() {
-            self.ahead = Some(p.clone());
-        }
-        Ok(())
-    }
-
-    /// Launches up to `GRAPH_STEPS` decode steps after those queued and launched, as many as
-    /// the cache holds and make at most `wanted` steps ahead of the host in all, through a
-    /// CUDA graph (captured on first use for the slot, the number of steps and the sampling),
-    /// and the copy of their tokens into a free slot. False when it launched nothing: no
-    /// step wanted or room for one, or both slots taken.
-    fn launch_steps(&mut self, p: &SamplingParams, wanted: usize) -> Result<bool> {
-        let launched: usize = self.launched.iter().map(|&(_, n)| n).sum();
-        let ahead = self.queued.len() + launched;
-        let Some(slot) = (0..2).find(|s| self.launched.iter().all(|l| l.0 != *s)) else {
-            return Ok(false);
-        };
-        let room = self.max_ctx.saturating_sub(self.pos + ahead);
-        let steps = GRAPH_STEPS.min(room).min(wanted.saturating_sub(ahead));
-        if steps == 0 {
-            return Ok(false);
-        }
-        // A graph captured for other sampling is stale.
-        self.graphs.retain(|g| g.sampling == *p);
-        let found = self
-            .graphs
-            .iter()
-            .position(|g| g.slot == slot && g.steps == steps);
-        let i = match found {
-            Some(i) => i,
-            None => {
-                let stream = self.dev.stream().clone();
-                stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-                let launched =
-                    (0..steps).try_for_each(|i| self.decode_step(p, slot * GRAPH_STEPS + i));
-                let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
-                launched?;
-                let graph = graph.ok_or_else(|| {
-                    Error::Cuda("capturing the decode steps gave no graph".into())
-                })?;
-                self.graphs.push(DecodeGraph {
-                    sampling: p.clone(),
-                    slot,
-                    steps,
-                    graph,
-                });
-                self.graphs.len() - 1
-            }
-        };
-        self.graphs[i].graph.launch()?;
-        let first = slot * GRAPH_STEPS;
-        let tokens = self.buf.next.slice(first..first + steps);
-        self.slots[slot].fetch(self.dev.stream(), &tokens)?;
-        self.launched.push_back((slot, steps));
-        Ok(true)
-    }
-
     /// The launches of one decode step, all reading the position and the token from the
     /// device: the twin of the CPU forward pass for one token, with its steps fused.
     /// `out` indexes `Buffers::next`, where the step's token goes.
-    fn decode_step(&mut self, p: &SamplingParams, out: usize) -> Result<()> {
+    pub(super) fn decode_step(&mut self, p: &SamplingParams, out: usize) -> Result<()> {
         let c = &self.cfg;
         let (hidden, eps) = (c.hidden, c.rms_eps);
         let (dev, b) = (&self.dev, &mut self.buf);
@@ -608,7 +415,7 @@ impl CudaModel {
 
     /// One forward step over at most `MAX_BATCH` tokens; leaves the logits of the last token
     /// (or of all, with `all_logits`) at the start of `buf.logits` and returns how many rows.
-    fn forward_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<usize> {
+    pub(super) fn forward_chunk(&mut self, tokens: &[u32], all_logits: bool) -> Result<usize> {
         let c = &self.cfg;
         let (n, hidden, kv_dim, pos) = (tokens.len(), c.hidden, c.kv_dim(), self.pos);
         if pos + n > self.max_ctx {
