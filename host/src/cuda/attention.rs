@@ -5,7 +5,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 
 use super::kernels::{AttentionDecode, AttentionPrefill, DevPtr, DevPtrMut, KvAppend, RopeNeox};
-use super::{BLOCK, Device, check, u32_of};
+use super::{BLOCK, Device, Overlap, check, u32_of};
 use crate::{Error, Result, cpu};
 
 // The kernels' block, rows of a prefill block, shared memory, largest head dim, the decode
@@ -126,7 +126,7 @@ impl Device {
         };
         // SAFETY: one thread per pair of the `rows * n_heads * half` pairs of x; table rows
         // pos[0]..pos[0] + rows are below max_pos or the kernel traps.
-        unsafe { p.launch(self, RopeNeox::rope_neox, cfg, false) }
+        unsafe { p.launch(self, RopeNeox::rope_neox, cfg, Overlap::Serial) }
     }
 
     /// Copies `k, v = [rows, kv_dim]` into rows `pos[0]..pos[0] + rows` of
@@ -178,7 +178,7 @@ impl Device {
         };
         // SAFETY: reads rows * kv_dim of k and v; writes cache rows pos[0]..pos[0] + rows,
         // below max_pos or the kernel traps.
-        unsafe { p.launch(self, KvAppend::kv_append, cfg, false) }
+        unsafe { p.launch(self, KvAppend::kv_append, cfg, Overlap::Serial) }
     }
 
     /// Causal GQA attention of `q = [rows, n_heads * head_dim]`, row `t` at position
@@ -230,7 +230,14 @@ impl Device {
         // SAFETY: q and out hold rows * n_heads * head_dim; the kernel reads cache rows
         // 0..pos[0] + rows, below max_pos or it traps. 256 threads and the shared memory its
         // doc asks for.
-        unsafe { p.launch(self, AttentionPrefill::attention_prefill, cfg, false) }
+        unsafe {
+            p.launch(
+                self,
+                AttentionPrefill::attention_prefill,
+                cfg,
+                Overlap::Serial,
+            )
+        }
     }
 
     /// The attention of one query row `q = [n_heads * head_dim]` at position `pos[0]` over
@@ -292,7 +299,7 @@ impl Device {
         // 256 threads and the shared memory the kernels' doc asks for. It reads only `pos` and
         // the cache rows before pos[0] before it calls `wait_prior_grids`, so it may overlap a
         // kernel before it that writes neither (the decode step's attn_qkv writes row pos[0]).
-        unsafe { p.launch(self, entry, cfg, true) }
+        unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
     }
 }
 

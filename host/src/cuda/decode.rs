@@ -12,7 +12,7 @@ use super::kernels::{
     HighBytes, LogitBounds, Logits,
 };
 use super::matmul::{GpuMatrix, entry_of, gemv_split, one_per_element};
-use super::{AttentionSums, Device, allow_shared, check, u32_of};
+use super::{AttentionSums, Device, Overlap, allow_shared, check, u32_of};
 use crate::quant::GgmlType;
 use crate::{Error, Result};
 
@@ -369,7 +369,7 @@ impl Device {
         // units of `split` warps, shared as `gemv_shared` (the reductions' slots and the
         // staged x).
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { p.launch(self, entry, cfg, true) }
+        unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
     }
 
     /// The FFN's first half for one token: `h[r] = silu(gate[r]·xn)·(up[r]·xn)` with
@@ -428,7 +428,7 @@ impl Device {
         // aligned; h holds n_out; n_in is whole chunks, one per lane of `split` warps
         // (`split_of`); blocks are whole units of `split` warps, shared as `gemv_shared`.
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { p.launch(self, entry, cfg, true) }
+        unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
     }
 
     /// `y[r] += w[r]·v + bias[r]` for the `y.len()` rows of `w`, in place on the residual
@@ -527,7 +527,7 @@ impl Device {
                     split,
                 };
                 // SAFETY: as said above the match.
-                unsafe { p.launch(self, entry, cfg, true) }
+                unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
             }
             Input::Sums(sums, head_dim) => {
                 check_aligned(&[sums], what)?;
@@ -544,7 +544,7 @@ impl Device {
                     split,
                 };
                 // SAFETY: as said above the match.
-                unsafe { p.launch(self, entry, cfg, true) }
+                unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
             }
         }
     }
@@ -649,7 +649,7 @@ impl Device {
         // below n_tokens, one pos and one step; blocks are whole units of `split` warps,
         // shared as `gemv_shared`.
         // It may overlap the kernel before: `gemv_units` reads only weights before it waits.
-        unsafe { p.launch(self, entry, cfg, true) }
+        unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
     }
 }
 
@@ -717,7 +717,7 @@ impl Device {
                     n: n32,
                 };
                 // SAFETY: out holds n bytes, w n f16 (rows of n_in plain f16).
-                unsafe { p.launch(self, HighBytes::high_bytes, cfg, false) }?;
+                unsafe { p.launch(self, HighBytes::high_bytes, cfg, Overlap::Serial) }?;
             }
             (Some(plane), n)
         } else {
@@ -805,7 +805,7 @@ impl Device {
         // q8_0, whose sketch reads none); x and norm hold n_in, 16-byte aligned; upper holds
         // n_out and lower a word per block; blocks are whole warps, shared as `gemv_shared`.
         // It may overlap the kernel before: it reads only weights before it waits.
-        unsafe { p.launch(self, bounds, first, true) }?;
+        unsafe { p.launch(self, bounds, first, Overlap::Allowed) }?;
 
         // A block a multiprocessor, or more where a block's share of the rows (listed in its
         // shared memory) would pass `LIST`.
@@ -847,7 +847,7 @@ impl Device {
         // one pos and one step; shared as `gemv_shared` and the list of a block's share.
         // It may overlap `logit_bounds`: it reads x (final before that one's wait) and norm
         // before it waits.
-        unsafe { p.launch(self, entry, second, true) }
+        unsafe { p.launch(self, entry, second, Overlap::Allowed) }
     }
 }
 

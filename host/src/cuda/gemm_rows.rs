@@ -5,7 +5,7 @@ use kernel_abi::gemm_rows::PER_TILE;
 
 use super::kernels::{DevPtr, DevPtrMut, GemmRows};
 use super::matmul::entry_of;
-use super::{Device, allow_shared, check, u32_of};
+use super::{Device, Overlap, allow_shared, check, u32_of};
 use crate::Result;
 
 /// Outputs per warp and the most m16 row tiles per block (the kernel's), and the most K slices
@@ -110,7 +110,7 @@ impl Device {
         // rows·n_out of y, all checked above; mt is 1, 2 or 4, the block ks·nw whole warps
         // within the kernel's registers, the shared size ks·nw·mt·PER_TILE f32, allowed above. It
         // reads and writes nothing before its wait, so it may overlap.
-        unsafe { p.launch(self, entry, cfg, true) }
+        unsafe { p.launch(self, entry, cfg, Overlap::Allowed) }
     }
 }
 

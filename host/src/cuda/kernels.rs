@@ -14,7 +14,7 @@ use std::marker::PhantomData;
 
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceRepr, LaunchConfig, SyncOnDrop};
 
-use super::Device;
+use super::{Device, Overlap};
 use crate::Result;
 
 /// The device address of `T`s that a kernel reads, a `*const T` parameter: a `u64`, passed as
@@ -220,7 +220,7 @@ macro_rules! launchers {
                 dev: &Device,
                 entry: Entry<$K>,
                 cfg: LaunchConfig,
-                overlap: bool,
+                overlap: Overlap,
             ) -> Result<()> {
                 let mut params = [$(&self.$p as *const Param<$t> as *mut c_void),*];
                 // SAFETY: the parameters are the kernel's, in its order (its declaration's),

@@ -5,7 +5,7 @@ use half::f16;
 use kernel_abi::gemm;
 
 use super::kernels::{Add, DequantizeF16, DevPtr, DevPtrMut, Embed, Entry, Gemm, Gemv, SiluMul};
-use super::{BLOCK, Device, allow_shared, check, u32_of};
+use super::{BLOCK, Device, Overlap, allow_shared, check, u32_of};
 use crate::Result;
 use crate::pack;
 use crate::quant::{GgmlType, dequantize_f16};
@@ -115,7 +115,7 @@ impl Device {
             };
             // SAFETY: `packed` is `rows` packed rows of `n_in` (a multiple of 32) of type `ty`,
             // `out` holds 2·rows·n_in bytes from a fresh (256-byte aligned) allocation.
-            unsafe { p.launch(self, DequantizeF16::dequantize_f16, cfg, false) }?;
+            unsafe { p.launch(self, DequantizeF16::dequantize_f16, cfg, Overlap::Serial) }?;
             // `packed` is freed in stream order, after the kernel.
             drop((_o, _w));
             return Ok(GpuMatrix {
@@ -206,7 +206,7 @@ impl Device {
             // n_out of y, all checked above and by the caller; blocks are whole units of
             // `split` warps with 32·split lanes for the row's chunks, shared at least 2 f32 per
             // warp (`gemv_shared`).
-            unsafe { p.launch(self, entry, cfg, false) }?;
+            unsafe { p.launch(self, entry, cfg, Overlap::Serial) }?;
         } else {
             let entry = entry_of(Gemm::entry(ty as u32), what)?;
             let f = self.function(entry);
@@ -237,7 +237,7 @@ impl Device {
             // groups of 128 threads (the kernel runs any number, the tensor-core loop from 2),
             // no more than the kernel's registers allow, and the shared size is what the
             // kernel needs for them, allowed by the attribute above.
-            unsafe { p.launch(self, entry, cfg, false) }?;
+            unsafe { p.launch(self, entry, cfg, Overlap::Serial) }?;
         }
         Ok(())
     }
@@ -314,7 +314,7 @@ impl Device {
         // n_ids or it traps, rows below n_rows of the table (a GpuMatrix: its layout, 16-byte
         // aligned) and writes n_tokens·hidden of out; `pos` is null or a live buffer the
         // caller holds. It may overlap the kernel before: it reads nothing before it waits.
-        unsafe { p.launch(self, Embed::embed, cfg, true) }
+        unsafe { p.launch(self, Embed::embed, cfg, Overlap::Allowed) }
     }
 
     /// `gate[i] = silu(gate[i])·up[i]`. Twin: `cpu::silu_mul`.
@@ -331,7 +331,7 @@ impl Device {
         let (up, _u) = DevPtr::of(up, s);
         let p = SiluMul { gate, up, n };
         // SAFETY: it touches n elements of each.
-        unsafe { p.launch(self, SiluMul::silu_mul, one_per_element(n), false) }
+        unsafe { p.launch(self, SiluMul::silu_mul, one_per_element(n), Overlap::Serial) }
     }
 
     /// `x[i] += y[i]`. Twin: `cpu::add`.
@@ -344,7 +344,7 @@ impl Device {
         let (y, _y) = DevPtr::of(y, s);
         let p = Add { x, y, n };
         // SAFETY: it touches n elements of each.
-        unsafe { p.launch(self, Add::add, one_per_element(n), false) }
+        unsafe { p.launch(self, Add::add, one_per_element(n), Overlap::Serial) }
     }
 }
 

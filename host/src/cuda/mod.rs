@@ -64,6 +64,17 @@ pub fn is_available() -> bool {
     driver && CudaContext::device_count().is_ok_and(|n| n > 0)
 }
 
+/// Whether a kernel may start before the kernel launched before it has finished
+/// (programmatic dependent launch, on sm_90 and newer): see [`Device::launch_raw`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Overlap {
+    /// It starts after the kernel before it has finished.
+    Serial,
+    /// It may start early: each thread calls `wait_prior_grids` before it writes memory or
+    /// reads what the kernel before may write.
+    Allowed,
+}
+
 impl Device {
     /// Opens device `ordinal` and loads the kernels: the sm_90 build on Hopper and later, else
     /// the sm_80 build. Errors, never panics, when there is no driver (`no CUDA driver found`)
@@ -198,21 +209,21 @@ impl Device {
         let n = n as u32;
         let p = kernels::RmsNorm { out, x, w, n, eps };
         // SAFETY: it touches `rows * n` elements of out and x and `n` of w, all checked above.
-        unsafe { p.launch(self, kernels::RmsNorm::rms_norm, cfg, false) }
+        unsafe { p.launch(self, kernels::RmsNorm::rms_norm, cfg, Overlap::Serial) }
     }
 
-    /// Launches entry point `name` with `cfg` on the stream; with `overlap`, overlapping the
-    /// kernel before it where the device can: programmatic dependent launch, whose blocks start
-    /// while the kernel before still runs and load what that kernel does not write (their
-    /// weights, and what earlier kernels wrote) until `wait_prior_grids` (gpu-kernels'
-    /// util.rs) returns. In a CUDA graph this hides most of a launch's latency. The typed
-    /// launchers (`kernels`) call it.
+    /// Launches entry point `name` with `cfg` on the stream; with `Overlap::Allowed`,
+    /// overlapping the kernel before it where the device can: programmatic dependent launch,
+    /// whose blocks start while the kernel before still runs and load what that kernel does not
+    /// write (their weights, and what earlier kernels wrote) until `wait_prior_grids`
+    /// (gpu-kernels' util.rs) returns. In a CUDA graph this hides most of a launch's latency.
+    /// The typed launchers (`kernels`) call it.
     ///
     /// # Safety
     /// `params` must point to the kernel's parameters, in order, each valid until the call
     /// returns, and every pointer among them valid for what the kernel does with `cfg`. With
-    /// `overlap`, its blocks may start once every block of the kernel launched before it has
-    /// called `allow_next_grid` or exited; kernels call it only after their own
+    /// `Overlap::Allowed`, its blocks may start once every block of the kernel launched before
+    /// it has called `allow_next_grid` or exited; kernels call it only after their own
     /// `wait_prior_grids`, so all the kernels before that one have finished: each thread must
     /// call `wait_prior_grids` before it writes memory, or reads memory that the kernel
     /// launched just before it may write.
@@ -221,7 +232,7 @@ impl Device {
         name: &str,
         params: &mut [*mut c_void],
         cfg: LaunchConfig,
-        overlap: bool,
+        overlap: Overlap,
     ) -> Result<()> {
         let s = &self.stream;
         self.ctx.bind_to_thread()?;
@@ -242,7 +253,7 @@ impl Device {
             sharedMemBytes: cfg.shared_mem_bytes,
             hStream: s.cu_stream(),
             attrs: &mut attr,
-            numAttrs: u32::from(overlap && self.overlap),
+            numAttrs: u32::from(overlap == Overlap::Allowed && self.overlap),
         };
         // SAFETY: the config and attribute outlive the call; the parameters are the kernel's
         // and live until the launch (the caller's contract); the function is of this context.

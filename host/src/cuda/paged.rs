@@ -4,7 +4,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use kernel_abi::paged::{WARPS, attention_shared_bytes};
 
 use super::kernels::{DevPtr, DevPtrMut, GatherRows, PagedAttention, RopeKvPaged};
-use super::{BLOCK, Device, allow_shared, check, u32_of};
+use super::{BLOCK, Device, Overlap, allow_shared, check, u32_of};
 use crate::Result;
 
 /// Query rows of one sequence a block of `paged_attention` takes.
@@ -127,7 +127,7 @@ impl Device {
         // SAFETY: each block reads its row of q, k, v, positions and slots (checked above) and
         // writes cache row slots[r], which the caller keeps inside the cache; positions at or
         // past max_pos trap.
-        unsafe { p.launch(self, RopeKvPaged::rope_kv_paged, cfg, false) }
+        unsafe { p.launch(self, RopeKvPaged::rope_kv_paged, cfg, Overlap::Serial) }
     }
 
     /// Causal GQA attention of the rows of `q = [rows, n_heads * head_dim]` over the paged
@@ -197,7 +197,7 @@ impl Device {
         // SAFETY: the items' rows lie in q and out and their block tables in tables, covering
         // every key up to each row's position, with block ids inside the cache: the batch's
         // builder (`cuda::batch`) guarantees it.
-        unsafe { p.launch(self, PagedAttention::paged_attention, cfg, false) }
+        unsafe { p.launch(self, PagedAttention::paged_attention, cfg, Overlap::Serial) }
     }
 
     /// `out[r] = x[rows[r]]` for `n_out` rows of `n` floats.
@@ -226,6 +226,6 @@ impl Device {
         let p = GatherRows { out, x, rows, n };
         // SAFETY: reads n_out row indices, which the caller keeps inside x, and writes n_out
         // rows of out (checked).
-        unsafe { p.launch(self, GatherRows::gather_rows, cfg, false) }
+        unsafe { p.launch(self, GatherRows::gather_rows, cfg, Overlap::Serial) }
     }
 }

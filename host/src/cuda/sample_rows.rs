@@ -6,7 +6,7 @@ use kernel_abi::sampling::{
 };
 
 use super::kernels::{DevPtr, DevPtrMut, SampleRows};
-use super::{Device, check, u32_of};
+use super::{Device, Overlap, check, u32_of};
 use crate::Result;
 
 /// How one row is sampled: `sampling::SamplingParams`' temperature, top-k (0 = off), top-p
@@ -159,6 +159,6 @@ impl Device {
         // SAFETY: each block reads its row's PARAM_WORDS words (uploaded for at least n_rows
         // rows, their penalties inside the buffers) and its row of logits, and writes out[r]
         // (checked).
-        unsafe { p.launch(self, SampleRows::sample_rows, cfg, false) }
+        unsafe { p.launch(self, SampleRows::sample_rows, cfg, Overlap::Serial) }
     }
 }

@@ -6,7 +6,7 @@ use kernel_abi::sampling::{
 };
 
 use super::kernels::{Argmax, DevPtr, DevPtrMut, Entry, Sample, SampleCandidates, SampleDev};
-use super::{Device, check};
+use super::{Device, Overlap, check};
 use crate::sampling::SamplingParams;
 use crate::{Error, Result};
 
@@ -41,7 +41,7 @@ impl Device {
         let (x, _x) = DevPtr::of(x, self.stream());
         let p = Argmax { out, x, n };
         // SAFETY: reads n floats, writes one u32.
-        unsafe { p.launch(self, Argmax::argmax, cfg, false) }
+        unsafe { p.launch(self, Argmax::argmax, cfg, Overlap::Serial) }
     }
 
     /// Whether `sample` handles these params on the GPU: greedy (temperature 0), or top-k
@@ -103,7 +103,7 @@ impl Device {
         };
         // SAFETY: it reads the `slots` candidates `sample_candidates` wrote to the scratch and
         // writes out[0]; shared memory as documented.
-        unsafe { s.launch(self, Sample::sample, cfg, false) }
+        unsafe { s.launch(self, Sample::sample, cfg, Overlap::Serial) }
     }
 
     /// `sample` for a decode step whose position and draw live in device memory, so that a
@@ -167,7 +167,7 @@ impl Device {
         // SAFETY: it reads the `slots` candidates `sample_candidates` wrote to the scratch,
         // pos[0] (below n_tokens or it traps) and step[0], writes tokens[pos[0] + 1] only
         // below n_tokens, out[0], pos[0] and step[0]; shared memory as documented.
-        unsafe { s.launch(self, SampleDev::sample_dev, cfg, false) }
+        unsafe { s.launch(self, SampleDev::sample_dev, cfg, Overlap::Serial) }
     }
 
     /// Launches `sample_candidates`: the penalty on `logits` and each slice's top k into
@@ -235,7 +235,7 @@ impl Device {
         // SLICES * cap (checked above), reads pos[0] if pos is not null and then the tokens
         // before n_tokens (or traps); the caller checked the tokens' bounds; shared memory as
         // documented.
-        unsafe { c.launch(self, entry, cfg, false) }?;
+        unsafe { c.launch(self, entry, cfg, Overlap::Serial) }?;
         Ok(Candidates {
             values: c.cand_v.as_const(),
             ids: c.cand_i.as_const(),
