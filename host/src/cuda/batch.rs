@@ -97,17 +97,7 @@ impl CudaBatch {
             padded.resize(bucket, RowSampling::default());
             self.sampler.upload(self.model.device(), &padded)?;
             self.replay(bucket)?;
-            let tokens = self
-                .model
-                .device()
-                .download(&self.next.slice(..rows.len()))?;
-            return Ok(tokens
-                .into_iter()
-                .map(|token| RowOutput {
-                    token,
-                    logprob: None,
-                })
-                .collect());
+            return self.sampled(rows.len());
         }
 
         let (n, m) = self.upload(rows, 0)?;
@@ -127,19 +117,24 @@ impl CudaBatch {
             .map(|(i, _)| Ok((i, dev.download(&logits.slice(i * vocab..(i + 1) * vocab))?)))
             .collect::<Result<Vec<_>>>()?;
         dev.sample_rows(&mut self.next, logits, vocab, &params, &mut self.sampler)?;
-        let tokens = dev.download(&self.next.slice(..m))?;
-        let mut out: Vec<RowOutput> = tokens
-            .into_iter()
-            .map(|token| RowOutput {
-                token,
-                logprob: None,
-            })
-            .collect();
+        let mut out = self.sampled(m)?;
         for (i, raw) in raw {
             let n = specs[i].logprobs.unwrap_or(0);
             out[i].logprob = Some(logprobs(&raw, out[i].token, n));
         }
         Ok(out)
+    }
+
+    /// The tokens the sampler picked for the first `m` sampled rows.
+    fn sampled(&self, m: usize) -> Result<Vec<RowOutput>> {
+        let tokens = self.model.device().download(&self.next.slice(..m))?;
+        Ok(tokens
+            .into_iter()
+            .map(|token| RowOutput {
+                token,
+                logprob: None,
+            })
+            .collect())
     }
 
     /// Writes the step's per-row inputs to the device: tokens, positions, cache slots, the

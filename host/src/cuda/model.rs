@@ -645,6 +645,23 @@ impl Product {
     }
 }
 
+/// RMSNorm of rows `..n` of the residual `b.x` with `norm`, into `b.xb`: where both blocks
+/// start.
+fn norm_rows(
+    dev: &Device,
+    c: &Config,
+    b: &mut Buffers,
+    norm: &CudaSlice<f32>,
+    n: usize,
+) -> Result<()> {
+    dev.rms_norm(
+        &mut view_mut(&mut b.xb, n * c.hidden),
+        &view(&b.x, n * c.hidden),
+        norm,
+        c.rms_eps,
+    )
+}
+
 /// The attention block's start for rows `..n` of `b.x`: RMSNorm, then q, k and v with their
 /// biases.
 fn qkv(
@@ -656,12 +673,7 @@ fn qkv(
     product: Product,
 ) -> Result<()> {
     let (hidden, kv_dim) = (c.hidden, c.kv_dim());
-    dev.rms_norm(
-        &mut view_mut(&mut b.xb, n * hidden),
-        &view(&b.x, n * hidden),
-        &w.attn_norm,
-        c.rms_eps,
-    )?;
+    norm_rows(dev, c, b, &w.attn_norm, n)?;
     let xb = view(&b.xb, n * hidden);
     let mm = |y: &mut CudaViewMut<f32>, w, bias| product.run(dev, y, &xb, w, bias, n);
     mm(&mut view_mut(&mut b.q, n * hidden), &w.wq, Some(&w.bq))?;
@@ -696,12 +708,7 @@ fn ffn(
     product: Product,
 ) -> Result<()> {
     let (hidden, ffn) = (c.hidden, c.ffn);
-    dev.rms_norm(
-        &mut view_mut(&mut b.xb, n * hidden),
-        &view(&b.x, n * hidden),
-        &w.ffn_norm,
-        c.rms_eps,
-    )?;
+    norm_rows(dev, c, b, &w.ffn_norm, n)?;
     let xb = view(&b.xb, n * hidden);
     let mm = |y: &mut CudaViewMut<f32>, w| product.run(dev, y, &xb, w, None, n);
     mm(&mut view_mut(&mut b.gate, n * ffn), &w.w_gate)?;
