@@ -35,6 +35,10 @@ pub struct Args {
     /// through the single-sequence engine).
     #[arg(long, value_delimiter = ',', value_parser = clap::value_parser!(u64).range(1..))]
     concurrency: Vec<u64>,
+    /// With --concurrency: a lone sequence stays on the batched pass (tokens independent of
+    /// the batch) instead of the single-sequence kernels.
+    #[arg(long)]
+    batch_invariant: bool,
     /// Timed runs, after one warm-up run.
     #[arg(long, default_value_t = 5)]
     runs: usize,
@@ -54,7 +58,7 @@ pub fn main(a: Args) -> Result<()> {
     }
     if batched {
         let levels: Vec<usize> = a.concurrency.iter().map(|&n| n as usize).collect();
-        let engine = crate::bench_batch::engine(&a.model, &levels)?;
+        let engine = crate::bench_batch::engine(&a.model, &levels, a.batch_invariant)?;
         let prompt = prompt_ids(engine.tokenizer(), prompt_len)?;
         return crate::bench_batch::main(&engine, &prompt, &levels, gen_tokens, a.json);
     }

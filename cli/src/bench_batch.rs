@@ -177,11 +177,16 @@ fn report(r: &Round, prompt_len: usize, gen_tokens: usize, engine: &BatchEngine,
 }
 
 /// The engine the rounds run on: room for the largest N at once.
-pub fn engine(model: &crate::common::ModelArgs, levels: &[usize]) -> Result<BatchEngine> {
+pub fn engine(
+    model: &crate::common::ModelArgs,
+    levels: &[usize],
+    batch_invariant: bool,
+) -> Result<BatchEngine> {
     let most = levels.iter().copied().max().unwrap_or(1);
     let opts = BatchOptions {
         max_running: most,
         max_queue: most,
+        batch_invariant,
         ..BatchOptions::default()
     };
     Ok(BatchEngine::start(

@@ -9,7 +9,7 @@ use crate::util::{WARP, block, block_dim, exp, shared, sync_threads, thread, war
 
 use kernel_abi::paged::{ITEM_ROWS, WARPS};
 
-use crate::params::{GatherRows, PagedAttention, RopeKvPaged};
+use crate::params::{GatherRows, KvCopyPaged, PagedAttention, RopeKvPaged};
 
 /// Keys of a tile.
 const TILE: usize = kernel_abi::paged::TILE as usize;
@@ -246,6 +246,42 @@ pub(crate) unsafe fn gather_rows(p: GatherRows) {
     let mut i = thread() as usize;
     while i < n as usize {
         unsafe { *out.add(i) = *x.add(i) };
+        i += block_dim() as usize;
+    }
+}
+
+/// One position of a sequence between the contiguous and the paged caches (the declaration's
+/// contract); `DIR` is `paged::FROM_PAGED` or `paged::TO_PAGED`. Grid: one block per position.
+#[inline(always)]
+pub(crate) unsafe fn kv_copy_paged<const DIR: u32>(p: KvCopyPaged) {
+    let KvCopyPaged {
+        k,
+        v,
+        k_paged,
+        v_paged,
+        table,
+        first,
+        kv_dim,
+        block_tokens,
+    } = p;
+    let (pos, bt, n) = (
+        (first + block()) as usize,
+        block_tokens as usize,
+        kv_dim as usize,
+    );
+    let slot = unsafe { *table.add(pos / bt) } as usize * bt + pos % bt;
+    let (c, pg) = (pos * n, slot * n);
+    let mut i = thread() as usize;
+    while i < n {
+        unsafe {
+            if DIR == kernel_abi::paged::TO_PAGED {
+                *k_paged.add(pg + i) = (*k.add(c + i) as f16).to_bits();
+                *v_paged.add(pg + i) = (*v.add(c + i) as f16).to_bits();
+            } else {
+                *k.add(c + i) = f16::from_bits(*k_paged.add(pg + i)) as f32;
+                *v.add(c + i) = f16::from_bits(*v_paged.add(pg + i)) as f32;
+            }
+        }
         i += block_dim() as usize;
     }
 }

@@ -533,6 +533,27 @@ macro_rules! kernels {
             GatherRows(out: *mut f32, x: *const f32, rows: *const u32, n: u32)
                 => paged::gather_rows { gather_rows }
 
+            /// Positions `first + b` (`b` the block) of one sequence between the contiguous
+            /// caches `k, v = [max_pos, kv_dim]` (f32) and the paged ones `k_paged, v_paged =
+            /// [slots, kv_dim]` (f16), position `p` in cache row `table[p / block_tokens]·
+            /// block_tokens + p % block_tokens`: `kv_from_paged` widens the paged rows into
+            /// the contiguous ones, `kv_to_paged` rounds the contiguous rows to nearest into
+            /// the paged ones (as `rope_kv_paged` stores). Grid: one block per position; any
+            /// block size; no shared memory.
+            KvCopyPaged(
+                k: *mut f32,
+                v: *mut f32,
+                k_paged: *mut u16,
+                v_paged: *mut u16,
+                table: *const u32,
+                first: u32,
+                kv_dim: u32,
+                block_tokens: u32,
+            ) => paged::kv_copy_paged {
+                kv_from_paged = $crate::paged::FROM_PAGED,
+                kv_to_paged = $crate::paged::TO_PAGED,
+            }
+
             /// Per row `r` of `logits = [rows, n]`: its penalties `pen_*[first..first + count]`
             /// applied in place, then the next token into `out[r]` as `sampling::sample`
             /// picks it with the row's `params[sampling::ROW_PARAM_WORDS·r..]`. Grid: one block

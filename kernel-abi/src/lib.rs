@@ -211,6 +211,10 @@ pub mod paged {
     pub const TILE: u32 = 32;
     /// Warps of a `paged_attention` block.
     pub const WARPS: u32 = 8;
+    /// `kv_copy_paged`'s directions (its keys): paged f16 rows widened into the contiguous
+    /// f32 cache, or contiguous rows rounded into paged ones.
+    pub const FROM_PAGED: u32 = 0;
+    pub const TO_PAGED: u32 = 1;
 
     /// Shared memory of a `paged_attention` block, in f32, for head dim `hd` and a kv group of
     /// `group` query heads (`vectors = ITEM_ROWS·group`): K `[TILE][hd + 1]`, V `[TILE][hd]`,

@@ -67,7 +67,7 @@ pub(super) fn prompts() -> Vec<Vec<u32>> {
 
 /// Everything a request's stream carried.
 pub(super) struct Outcome {
-    ids: Vec<u32>,
+    pub(super) ids: Vec<u32>,
     /// The text of every event, `Done`'s included.
     text: String,
     /// Each token event's text, in order.

@@ -10,7 +10,7 @@ use orcd::engine::{DeviceChoice, Engine, Event, GenerateOptions, LoadOptions};
 use orcd::sampling::SamplingParams;
 use orcd_tests::{gguf, gpu, model_path, ref_prompts};
 
-use super::batch::{alone, greedy, prompts, together, wait_for};
+use super::batch::{alone, collect, greedy, prompts, together, wait_for};
 
 const CTX: usize = 1024;
 /// The reference's top-1 must be ours wherever its margin over the top-2 is at least this.
@@ -30,7 +30,7 @@ fn greedy_sampling() -> Sampling {
 fn teacher_forced(format: WeightFormat) -> (usize, usize, usize, usize) {
     let dev = gpu().expect("checked by the caller");
     let model = CudaModel::load(dev, gguf(), CTX, format, &mut |_| {}).unwrap();
-    let mut b = CudaBatch::new(model, Some(4 * CTX), 0).unwrap();
+    let mut b = CudaBatch::new(model, Some(4 * CTX), 0, true).unwrap();
     let bt = b.kv_block_tokens();
     let refs = ref_prompts();
     let sampling = greedy_sampling();
@@ -67,6 +67,7 @@ fn teacher_forced(format: WeightFormat) -> (usize, usize, usize, usize) {
                         history: &history[..start + tokens.len()],
                         prompt_len: r.ids.len(),
                         logprobs: None,
+                        more: 0,
                     }),
                 }
             })
@@ -132,7 +133,12 @@ fn a_request_gets_the_same_tokens_alone_and_among_63_others() {
     }
     let prompts = prompts();
     for weights in [WeightFormat::Native, WeightFormat::F16] {
-        let e = gpu_engine(weights, BatchOptions::default());
+        // Batch-invariant: a lone request's decode stays on the batched pass.
+        let opts = BatchOptions {
+            batch_invariant: true,
+            ..BatchOptions::default()
+        };
+        let e = gpu_engine(weights, opts);
         let reqs: Vec<Request> = prompts.iter().map(|p| greedy(p, 32)).collect();
         let solo = alone(&e, &reqs);
         // 64 requests: every prompt several times, at different lengths, so the batch mixes
@@ -195,4 +201,50 @@ fn greedy_tokens_are_engine_generates_where_the_reference_is_clear() {
         );
     }
     assert_eq!(e.status().kv_blocks_used, 0);
+}
+
+/// A request decoding alone runs on the single-sequence pipeline; when a second joins, the
+/// keys and values the pipeline added go back into the first's blocks and both go on in the
+/// batched pass. Both follow the reference wherever it is clear, and the pool ends empty.
+#[test]
+fn a_lone_sequence_hands_its_cache_back_when_another_joins() {
+    if gpu().is_none() {
+        return;
+    }
+    let refs = ref_prompts();
+    let clear = |r: &orcd_tests::RefPrompt| {
+        (0..r.generated.len())
+            .take_while(|&i| r.margin(i) >= CLEAR)
+            .count()
+    };
+    // The first: the reference with the longest clear run, generating on well past it so
+    // that it is still running when the second joins half-way through that run.
+    let a = refs.iter().max_by_key(|r| clear(r)).unwrap();
+    let b = refs.iter().find(|r| r.text != a.text).unwrap();
+    let e = gpu_engine(WeightFormat::Native, BatchOptions::default());
+    let long = Request {
+        ignore_eos: true,
+        ..greedy(&a.ids, CTX - a.ids.len())
+    };
+    let mut first = e.submit(long).unwrap();
+    let mut got_a = Vec::new();
+    while got_a.len() < clear(a).div_ceil(2) {
+        if let Some(orcd::batch::SeqEvent::Token { id, .. }) = first.events.blocking_recv() {
+            got_a.push(id);
+        }
+    }
+    let short = Request {
+        ignore_eos: true,
+        ..greedy(&b.ids, b.generated.len())
+    };
+    let got_b = collect(e.submit(short).unwrap()).ids;
+    got_a.extend(collect(first).ids);
+    for (r, got) in [(a, &got_a), (b, &got_b)] {
+        let n = clear(r);
+        println!("{}: {n} clear positions of {}", r.kind, r.generated.len());
+        assert_eq!(got[..n], r.generated[..n], "{}", r.kind);
+    }
+    let st = wait_for(&e, |s| s.running == 0 && s.waiting == 0);
+    assert!(st.steps > 0, "{st:?}");
+    assert_eq!(st.kv_blocks_used, 0, "{st:?}");
 }

@@ -61,6 +61,10 @@ pub struct Args {
     /// --model name, or the GGUF file's name without .gguf).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// A request's tokens never depend on what else runs: a sequence decoding alone stays on
+    /// the batched pass instead of the faster single-sequence kernels.
+    #[arg(long)]
+    batch_invariant: bool,
     /// Seconds a request may take from arrival to its last token; later ones are cancelled.
     #[arg(long, default_value_t = 600)]
     request_timeout: u64,
@@ -215,6 +219,7 @@ fn load(a: &Args) -> Result<Ready> {
         max_running: a.max_running,
         max_queue: a.max_queue,
         kv_tokens: a.kv_tokens.map(|t| t as usize),
+        batch_invariant: a.batch_invariant,
         ..BatchOptions::default()
     };
     let engine = BatchEngine::start(&path, &a.model.load_options(), &opts).map_err(device_error)?;

@@ -30,6 +30,9 @@ pub struct SampleSpec<'a> {
     pub prompt_len: usize,
     /// `Some(n)`: the chosen token's log-probability and the `n` most likely tokens'.
     pub logprobs: Option<usize>,
+    /// Tokens the sequence may generate after this one at most (a backend may compute that
+    /// many ahead).
+    pub more: usize,
 }
 
 /// What a sampled row gave.

@@ -126,6 +126,7 @@ mod tests {
             history,
             prompt_len,
             logprobs: Some(1),
+            more: 0,
         };
         sample_row(&mut [3.0, 2.9, 1.0], &spec)
     }

@@ -45,6 +45,10 @@ pub struct BatchOptions {
     pub step_tokens: usize,
     /// KV pool size in tokens; `None`: sized from free GPU memory (CPU: `ctx` × `max_running`).
     pub kv_tokens: Option<usize>,
+    /// A request's tokens never depend on what else runs: on the GPU, a sequence decoding
+    /// alone stays on the batched pass instead of the faster single-sequence kernels, whose
+    /// sums run in another order.
+    pub batch_invariant: bool,
 }
 
 impl Default for BatchOptions {
@@ -54,6 +58,7 @@ impl Default for BatchOptions {
             max_queue: 1024,
             step_tokens: 512,
             kv_tokens: None,
+            batch_invariant: false,
         }
     }
 }
@@ -409,6 +414,7 @@ fn load_backend(
             model,
             opts.kv_tokens,
             default_tokens,
+            opts.batch_invariant,
         )?));
     }
     let model = Arc::new(CpuModel::load(g, ctx)?);

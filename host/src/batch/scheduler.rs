@@ -325,6 +325,7 @@ impl<'t> Scheduler<'t> {
                         history: &s.tokens,
                         prompt_len: s.prompt_len,
                         logprobs: s.req.logprobs,
+                        more: s.req.max_tokens.saturating_sub(s.generated() + 1),
                     }),
                 }
             })

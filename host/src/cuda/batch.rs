@@ -6,9 +6,17 @@
 //! two): every per-row input (tokens, positions, cache slots, block tables, sampling
 //! parameters) is in device buffers the graph reads, and the rows past the step's are padding
 //! that writes to a block of its own.
+//!
+//! A sequence that decodes alone (one row a step) goes to the single-sequence pipeline
+//! (`DecodePipeline`: decode kernels for one token, steps run ahead of the host) unless the
+//! backend is batch-invariant: its keys and values are copied from its paged blocks into the
+//! pipeline's contiguous cache when it starts alone, and those it added back into its blocks
+//! when other rows join it.
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
+use super::Device;
+use super::decode_pipeline::DecodePipeline;
 use super::model::{CudaModel, MAX_BATCH, StepInputs};
 use super::paged::{AttentionItem, PagedKv};
 use super::sample_rows::{RowSamplerInputs, RowSampling};
@@ -22,7 +30,12 @@ const BLOCK_TOKENS: usize = 16;
 const HEADROOM: usize = 1 << 30;
 
 pub struct CudaBatch {
-    model: CudaModel,
+    /// The model, in the single-sequence pipeline that decodes a lone sequence.
+    pipe: DecodePipeline,
+    /// Whether a lone sequence stays on the batched pass (tokens independent of the batch).
+    batch_invariant: bool,
+    /// The sequence the pipeline is decoding alone, if any.
+    lone: Option<Lone>,
     /// One paged cache per layer: `blocks` for the pool and one more, the padding's.
     kv: Vec<PagedKv>,
     blocks: usize,
@@ -37,11 +50,13 @@ pub struct CudaBatch {
 
 impl CudaBatch {
     /// The backend of `model`, with a KV pool of `kv_tokens` tokens, or by default the smaller
-    /// of `default_tokens` and what free GPU memory holds (less `HEADROOM`).
+    /// of `default_tokens` and what free GPU memory holds (less `HEADROOM`); `batch_invariant`:
+    /// a lone sequence stays on the batched pass.
     pub fn new(
         model: CudaModel,
         kv_tokens: Option<usize>,
         default_tokens: usize,
+        batch_invariant: bool,
     ) -> Result<CudaBatch> {
         let c = &model.cfg;
         let token_bytes = 2 * c.n_layers * c.kv_dim() * 2;
@@ -76,7 +91,9 @@ impl CudaBatch {
             kv,
             blocks,
             step,
-            model,
+            pipe: DecodePipeline::new(model)?,
+            batch_invariant,
+            lone: None,
         })
     }
 
@@ -95,21 +112,23 @@ impl CudaBatch {
             self.upload(rows, bucket)?;
             let mut padded = params;
             padded.resize(bucket, RowSampling::default());
-            self.sampler.upload(self.model.device(), &padded)?;
+            self.sampler.upload(self.pipe.model().device(), &padded)?;
             self.replay(bucket)?;
             return self.sampled(rows.len());
         }
 
         let (n, m) = self.upload(rows, 0)?;
-        self.model.forward_rows(&mut self.kv, &self.step, n)?;
+        self.pipe
+            .model_mut()
+            .forward_rows(&mut self.kv, &self.step, n)?;
         if m == 0 {
             return Ok(Vec::new());
         }
-        let vocab = self.model.cfg.vocab;
-        self.model.logits_of_rows(&self.sample_rows, m)?;
+        let vocab = self.pipe.model().cfg.vocab;
+        self.pipe.model_mut().logits_of_rows(&self.sample_rows, m)?;
         // Log-probabilities are of the raw logits: those rows are read before the sampler
         // penalises them in place.
-        let (dev, logits) = self.model.logits_mut();
+        let (dev, logits) = self.pipe.model_mut().logits_mut();
         let raw = specs
             .iter()
             .enumerate()
@@ -127,7 +146,7 @@ impl CudaBatch {
 
     /// The tokens the sampler picked for the first `m` sampled rows.
     fn sampled(&self, m: usize) -> Result<Vec<RowOutput>> {
-        let tokens = self.model.device().download(&self.next.slice(..m))?;
+        let tokens = self.pipe.model().device().download(&self.next.slice(..m))?;
         Ok(tokens
             .into_iter()
             .map(|token| RowOutput {
@@ -167,7 +186,7 @@ impl CudaBatch {
                 sampled.push((ids.len() - 1) as u32);
             }
         }
-        let vocab = self.model.cfg.vocab;
+        let vocab = self.pipe.model().cfg.vocab;
         if let Some(&bad) = ids.iter().find(|&&t| t as usize >= vocab) {
             return Err(Error::Invalid(format!(
                 "token id {bad} is outside the vocabulary ({vocab})"
@@ -183,7 +202,7 @@ impl CudaBatch {
             slots.push((self.blocks * bt) as u32);
         }
         let s = &mut self.step;
-        let dev = self.model.device();
+        let dev = self.pipe.model().device();
         dev.copy_to(&mut s.ids, &ids)?;
         dev.copy_to(&mut s.positions, &positions)?;
         dev.copy_to(&mut s.slots, &slots)?;
@@ -202,7 +221,7 @@ impl CudaBatch {
         if let Some(g) = self.graphs.iter().find(|g| g.0 == bucket) {
             return Ok(g.2.0.launch()?);
         }
-        let stream = self.model.device().stream().clone();
+        let stream = self.pipe.model().device().stream().clone();
         stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
         let captured = self.decode_step(bucket);
         let graph = stream.end_capture(CUgraphInstantiate_flags(0))?;
@@ -216,10 +235,12 @@ impl CudaBatch {
 
     /// The launches of a decode step of `n` rows, all reading their inputs from the device.
     fn decode_step(&mut self, n: usize) -> Result<()> {
-        let vocab = self.model.cfg.vocab;
-        self.model.forward_rows(&mut self.kv, &self.step, n)?;
-        self.model.logits_of_rows(&self.sample_rows, n)?;
-        let (dev, logits) = self.model.logits_mut();
+        let vocab = self.pipe.model().cfg.vocab;
+        self.pipe
+            .model_mut()
+            .forward_rows(&mut self.kv, &self.step, n)?;
+        self.pipe.model_mut().logits_of_rows(&self.sample_rows, n)?;
+        let (dev, logits) = self.pipe.model_mut().logits_mut();
         dev.sample_rows_launch(&mut self.next, logits, vocab, n, &self.sampler)
     }
 }
@@ -268,8 +289,101 @@ fn row_sampling(s: &SampleSpec) -> RowSampling {
     }
 }
 
+/// The sequence the single-sequence pipeline decodes alone.
+struct Lone {
+    /// Its first block, which with `next` tells its row in a later step.
+    first_block: u32,
+    /// The position of its next row.
+    next: usize,
+    /// Its positions from here on are in the pipeline's contiguous cache only.
+    from: usize,
+}
+
+/// Whether the pipeline samples `s` as the batched sampler does: on the GPU, without
+/// log-probabilities or OpenAI's penalties (its sampler has the repetition penalty alone).
+fn pipeline_samples(s: &SampleSpec) -> bool {
+    s.logprobs.is_none()
+        && s.sampling.frequency_penalty == 0.0
+        && s.sampling.presence_penalty == 0.0
+        && Device::can_sample(&s.sampling.params)
+}
+
+impl CudaBatch {
+    /// A step of one decode row that the pipeline samples, unless batch-invariant: the row's
+    /// next token from the pipeline, its sequence's keys and values first copied into the
+    /// pipeline's cache if they are not there. Before a batched step in which the lone
+    /// sequence runs on, the positions only the pipeline holds go back into its blocks.
+    /// `None`: the step is the batched pass's.
+    fn alone(&mut self, rows: &[Row]) -> Result<Option<Vec<RowOutput>>> {
+        let lone = self.lone.take();
+        let single = match rows {
+            [r] if !self.batch_invariant && r.tokens.len() == 1 => r
+                .sample
+                .as_ref()
+                .filter(|s| pipeline_samples(s))
+                .map(|s| (r, s)),
+            _ => None,
+        };
+        let continues =
+            |l: &Lone, r: &Row| r.blocks.first() == Some(&l.first_block) && r.start == l.next;
+        if let (Some(l), None) = (&lone, &single)
+            && let Some(r) = rows.iter().find(|r| continues(l, r))
+        {
+            self.upload_table(r.blocks)?;
+            let model = self.pipe.model_mut();
+            model.store_paged(
+                &mut self.kv,
+                &self.step.tables,
+                l.from,
+                r.start,
+                BLOCK_TOKENS,
+            )?;
+        }
+        let Some((r, s)) = single else {
+            return Ok(None);
+        };
+        let from = match lone.filter(|l| continues(l, r)) {
+            Some(l) => l.from,
+            None => {
+                self.upload_table(r.blocks)?;
+                let history = &s.history[..r.start];
+                let model = self.pipe.model_mut();
+                model.adopt_paged(&mut self.kv, &self.step.tables, history, BLOCK_TOKENS)?;
+                r.start
+            }
+        };
+        self.lone = Some(Lone {
+            first_block: r.blocks[0],
+            next: r.start + 1,
+            from,
+        });
+        let token = self
+            .pipe
+            .next_token(r.tokens, &s.sampling.params, s.draw, s.more)?;
+        Ok(Some(vec![RowOutput {
+            token,
+            logprob: None,
+        }]))
+    }
+
+    /// Writes a block table to the step's tables, checking that its blocks are the pool's.
+    fn upload_table(&mut self, blocks: &[u32]) -> Result<()> {
+        if let Some(&bad) = blocks.iter().find(|&&b| b as usize >= self.blocks) {
+            return Err(Error::Invalid(format!(
+                "block {bad} is not one of the pool's {}",
+                self.blocks
+            )));
+        }
+        let dev = self.pipe.model().device();
+        dev.copy_to(&mut self.step.tables.slice_mut(..blocks.len()), blocks)
+    }
+}
+
 impl Backend for CudaBatch {
     fn step(&mut self, rows: &[Row]) -> Result<Vec<RowOutput>> {
+        if let Some(out) = self.alone(rows)? {
+            return Ok(out);
+        }
         // Rows go in forward passes of at most MAX_BATCH tokens, whole rows each.
         let mut out = Vec::new();
         let mut group: Vec<&Row> = Vec::new();
@@ -304,10 +418,14 @@ impl Backend for CudaBatch {
     }
 
     fn ctx_len(&self) -> usize {
-        self.model.max_ctx()
+        self.pipe.model().max_ctx()
     }
 
     fn device(&self) -> String {
-        self.model.device().name().unwrap_or_else(|_| "cuda".into())
+        self.pipe
+            .model()
+            .device()
+            .name()
+            .unwrap_or_else(|_| "cuda".into())
     }
 }

@@ -122,6 +122,13 @@ impl DecodePipeline {
         &self.model
     }
 
+    /// The model, for passes outside the pipeline: the steps run ahead are forgotten, as
+    /// those passes move the model's state under them.
+    pub(crate) fn model_mut(&mut self) -> &mut CudaModel {
+        self.drop_ahead();
+        &mut self.model
+    }
+
     /// Empties the KV cache, for a new sequence.
     pub fn reset(&mut self) {
         self.model.reset();

@@ -12,7 +12,7 @@ use std::cell::{Cell, RefCell};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::decode_pipeline::GRAPH_STEPS;
-use super::paged::PagedKv;
+use super::paged::{KvCopy, PagedKv};
 use super::{AttentionSums, BoundedArgmax, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
@@ -589,6 +589,71 @@ impl CudaModel {
     /// its rows.
     pub(crate) fn logits_mut(&mut self) -> (&Device, &mut CudaSlice<f32>) {
         (&self.dev, &mut self.buf.logits)
+    }
+
+    /// Makes the contiguous cache hold the sequence `history`, whose keys and values are in the
+    /// paged caches `kv` (one per layer) through the block table `table`, so that the
+    /// single-sequence passes continue it.
+    pub(crate) fn adopt_paged(
+        &mut self,
+        kv: &mut [PagedKv],
+        table: &CudaSlice<u32>,
+        history: &[u32],
+        block_tokens: usize,
+    ) -> Result<()> {
+        let n = history.len();
+        if n > self.max_ctx {
+            return Err(Error::Invalid(format!(
+                "a sequence of {n} tokens does not fit the context ({})",
+                self.max_ctx
+            )));
+        }
+        let (dev, kv_dim) = (&self.dev, self.cfg.kv_dim());
+        for (w, kv) in self.layers.iter_mut().zip(kv) {
+            let (k, v) = (&mut w.k_cache, &mut w.v_cache);
+            dev.kv_copy_paged(
+                KvCopy::FromPaged,
+                k,
+                v,
+                kv,
+                table,
+                0,
+                n,
+                kv_dim,
+                block_tokens,
+            )?;
+        }
+        dev.copy_to(&mut self.buf.tokens.slice_mut(..n), history)?;
+        self.pos = n;
+        Ok(())
+    }
+
+    /// Writes positions `first..end` of the contiguous cache into the paged caches `kv`
+    /// through the sequence's block table `table`: what the single-sequence passes added.
+    pub(crate) fn store_paged(
+        &mut self,
+        kv: &mut [PagedKv],
+        table: &CudaSlice<u32>,
+        first: usize,
+        end: usize,
+        block_tokens: usize,
+    ) -> Result<()> {
+        let (dev, kv_dim, n) = (&self.dev, self.cfg.kv_dim(), end.saturating_sub(first));
+        for (w, kv) in self.layers.iter_mut().zip(kv) {
+            let (k, v) = (&mut w.k_cache, &mut w.v_cache);
+            dev.kv_copy_paged(
+                KvCopy::ToPaged,
+                k,
+                v,
+                kv,
+                table,
+                first,
+                n,
+                kv_dim,
+                block_tokens,
+            )?;
+        }
+        Ok(())
     }
 
     /// The device buffers of the rows of one batched step, for up to `MAX_BATCH` rows and

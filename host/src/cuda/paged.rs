@@ -3,7 +3,7 @@
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use kernel_abi::paged::{WARPS, attention_shared_bytes};
 
-use super::kernels::{DevPtr, DevPtrMut, GatherRows, PagedAttention, RopeKvPaged};
+use super::kernels::{DevPtr, DevPtrMut, GatherRows, KvCopyPaged, PagedAttention, RopeKvPaged};
 use super::{BLOCK, Device, Overlap, allow_shared, check, u32_of};
 use crate::Result;
 
@@ -15,6 +15,15 @@ pub const ITEM_ROWS: usize = kernel_abi::paged::ITEM_ROWS as usize;
 pub struct PagedKv {
     pub k: CudaSlice<u16>,
     pub v: CudaSlice<u16>,
+}
+
+/// Which way `kv_copy_paged` copies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvCopy {
+    /// Paged f16 rows widened into the contiguous f32 cache.
+    FromPaged,
+    /// Contiguous f32 rows rounded to nearest into paged f16 ones.
+    ToPaged,
 }
 
 /// Up to `ITEM_ROWS` consecutive rows of one sequence: the unit of work of `paged_attention`.
@@ -227,5 +236,61 @@ impl Device {
         // SAFETY: reads n_out row indices, which the caller keeps inside x, and writes n_out
         // rows of out (checked).
         unsafe { p.launch(self, GatherRows::gather_rows, cfg, Overlap::Serial) }
+    }
+
+    /// Copies positions `first..first + n` of one sequence, whose block table (blocks of
+    /// `block_tokens`) is `table`, between the contiguous f32 cache `k, v = [max_pos, kv_dim]`
+    /// and the paged cache `kv`, the way `dir` says.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_copy_paged(
+        &self,
+        dir: KvCopy,
+        k: &mut CudaSlice<f32>,
+        v: &mut CudaSlice<f32>,
+        kv: &mut PagedKv,
+        table: &impl DevicePtr<u32>,
+        first: usize,
+        n: usize,
+        kv_dim: usize,
+        block_tokens: usize,
+    ) -> Result<()> {
+        let end = first + n;
+        check(
+            block_tokens > 0
+                && k.len().min(v.len()) >= end * kv_dim
+                && table.len() >= end.div_ceil(block_tokens),
+            "kv_copy_paged: shapes",
+        )?;
+        if n == 0 {
+            return Ok(());
+        }
+        let cfg = LaunchConfig {
+            grid_dim: (u32_of(n, "kv_copy_paged: n")?, 1, 1),
+            block_dim: (BLOCK, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let s = self.stream();
+        let (k, _k) = DevPtrMut::of(k, s);
+        let (v, _v) = DevPtrMut::of(v, s);
+        let (k_paged, _kp) = DevPtrMut::of(&mut kv.k, s);
+        let (v_paged, _vp) = DevPtrMut::of(&mut kv.v, s);
+        let (table, _t) = DevPtr::of(table, s);
+        let p = KvCopyPaged {
+            k,
+            v,
+            k_paged,
+            v_paged,
+            table,
+            first: u32_of(first, "kv_copy_paged: first")?,
+            kv_dim: u32_of(kv_dim, "kv_copy_paged: kv_dim")?,
+            block_tokens: u32_of(block_tokens, "kv_copy_paged: block_tokens")?,
+        };
+        let entry = match dir {
+            KvCopy::FromPaged => KvCopyPaged::kv_from_paged,
+            KvCopy::ToPaged => KvCopyPaged::kv_to_paged,
+        };
+        // SAFETY: positions below first + n lie in k and v and in the table (checked); the
+        // table's block ids lie in the paged cache: its builder (`cuda::batch`) guarantees it.
+        unsafe { p.launch(self, entry, cfg, Overlap::Serial) }
     }
 }

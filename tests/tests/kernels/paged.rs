@@ -1,9 +1,9 @@
 //! The paged family against its CPU twins: rope_kv_paged (RoPE per row, the cache store in
 //! f16), paged_attention over block tables mixing decode rows and prefill chunks (against
-//! `cpu::attention` over each sequence gathered from its blocks) and gather_rows.
+//! `cpu::attention` over each sequence gathered from its blocks), gather_rows and kv_copy_paged.
 use half::f16;
 use orcd::cpu;
-use orcd::cuda::paged::AttentionItem;
+use orcd::cuda::paged::{AttentionItem, KvCopy};
 use orcd_tests::{Rng, gpu};
 
 const THETA: f32 = 1e6;
@@ -216,5 +216,75 @@ fn gather_rows_copies_the_rows_asked_for() {
             bits(&x[r as usize * n..][..n]),
             "row {r}"
         );
+    }
+}
+
+/// kv_copy_paged: contiguous rows rounded into a sequence's scattered blocks, bit for bit as
+/// `f16::from_f32`, and back widened exactly; the rest of both caches untouched.
+#[test]
+fn kv_copy_paged_round_trips_through_a_block_table() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(44);
+    let (kv_dim, bt, blocks, len) = (256, 16, 12, 150);
+    // The sequence's 10 blocks, out of order in a pool of 12.
+    let table = [7u32, 2, 11, 0, 5, 9, 1, 10, 3, 8];
+    let (k, v) = (
+        rand(&mut rng, len * kv_dim, 30.0),
+        rand(&mut rng, len * kv_dim, 30.0),
+    );
+    let (mut kd, mut vd) = (dev.upload(&k).unwrap(), dev.upload(&v).unwrap());
+    let mut kv = dev.paged_kv(blocks * bt, kv_dim).unwrap();
+    let td = dev.upload(&table).unwrap();
+    // Positions 40..150 into the blocks, then all 150 back into zeroed contiguous caches.
+    let (first, n) = (40, len - 40);
+    dev.kv_copy_paged(
+        KvCopy::ToPaged,
+        &mut kd,
+        &mut vd,
+        &mut kv,
+        &td,
+        first,
+        n,
+        kv_dim,
+        bt,
+    )
+    .unwrap();
+    let (kp, vp) = (dev.download(&kv.k).unwrap(), dev.download(&kv.v).unwrap());
+    for (cache, src) in [(&kp, &k), (&vp, &v)] {
+        for p in 0..len {
+            let slot = table[p / bt] as usize * bt + p % bt;
+            let row = &cache[slot * kv_dim..][..kv_dim];
+            let want = match p >= first {
+                true => to_f16(&src[p * kv_dim..][..kv_dim]),
+                false => vec![0; kv_dim],
+            };
+            assert_eq!(row, &want[..], "position {p}");
+        }
+    }
+    let (mut k2, mut v2) = (
+        dev.zeros(len * kv_dim).unwrap(),
+        dev.zeros(len * kv_dim).unwrap(),
+    );
+    dev.kv_copy_paged(
+        KvCopy::FromPaged,
+        &mut k2,
+        &mut v2,
+        &mut kv,
+        &td,
+        0,
+        len,
+        kv_dim,
+        bt,
+    )
+    .unwrap();
+    for (got, cache) in [
+        (dev.download(&k2).unwrap(), &kp),
+        (dev.download(&v2).unwrap(), &vp),
+    ] {
+        for p in 0..len {
+            let slot = table[p / bt] as usize * bt + p % bt;
+            let want = from_f16(&cache[slot * kv_dim..][..kv_dim]);
+            assert_eq!(&got[p * kv_dim..][..kv_dim], &want[..], "position {p}");
+        }
     }
 }
