@@ -7,11 +7,11 @@
 //! parameters) is in device buffers the graph reads, and the rows past the step's are padding
 //! that writes to a block of its own.
 //!
-//! A sequence that decodes alone (one row a step) goes to the single-sequence pipeline
-//! (`DecodePipeline`: decode kernels for one token, steps run ahead of the host) unless the
-//! backend is batch-invariant: its keys and values are copied from its paged blocks into the
-//! pipeline's contiguous cache when it starts alone, and those it added back into its blocks
-//! when other rows join it.
+//! A sequence that runs alone (one row a step, sampled) goes to the single-sequence pipeline
+//! (`DecodePipeline`: the prefill GEMM, decode kernels for one token, steps run ahead of the
+//! host) unless the backend is batch-invariant: its keys and values are copied from its paged
+//! blocks into the pipeline's contiguous cache when it starts alone, and those it added back
+//! into its blocks when other rows join it.
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
@@ -309,15 +309,16 @@ fn pipeline_samples(s: &SampleSpec) -> bool {
 }
 
 impl CudaBatch {
-    /// A step of one decode row that the pipeline samples, unless batch-invariant: the row's
-    /// next token from the pipeline, its sequence's keys and values first copied into the
-    /// pipeline's cache if they are not there. Before a batched step in which the lone
-    /// sequence runs on, the positions only the pipeline holds go back into its blocks.
-    /// `None`: the step is the batched pass's.
+    /// A step of one row that the pipeline samples (a decode row, or a lone prompt's last
+    /// chunk, which the pipeline prefills with its own GEMM), unless batch-invariant: the
+    /// row's next token from the pipeline, its sequence's earlier keys and values first
+    /// copied into the pipeline's cache if they are not there. Before a batched step in which
+    /// the lone sequence runs on, the positions only the pipeline holds go back into its
+    /// blocks. `None`: the step is the batched pass's.
     fn alone(&mut self, rows: &[Row]) -> Result<Option<Vec<RowOutput>>> {
         let lone = self.lone.take();
         let single = match rows {
-            [r] if !self.batch_invariant && r.tokens.len() == 1 => r
+            [r] if !self.batch_invariant => r
                 .sample
                 .as_ref()
                 .filter(|s| pipeline_samples(s))

@@ -623,7 +623,9 @@ impl CudaModel {
                 block_tokens,
             )?;
         }
-        dev.copy_to(&mut self.buf.tokens.slice_mut(..n), history)?;
+        if n > 0 {
+            dev.copy_to(&mut self.buf.tokens.slice_mut(..n), history)?;
+        }
         self.pos = n;
         Ok(())
     }
