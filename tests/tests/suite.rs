@@ -8,4 +8,5 @@ mod gguf_validation;
 mod kernels;
 mod models;
 mod quant_real;
+mod shapes;
 mod tokenizer;
