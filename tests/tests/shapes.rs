@@ -226,7 +226,8 @@ fn batched(g: &Gguf, format: WeightFormat, refs: &[Reference], tol: f32) -> f32 
     let dev = gpu().expect("checked by the caller");
     let model = CudaModel::load(dev, g, CTX, format, &mut |_| {}).unwrap();
     let vocab = model.cfg.vocab;
-    let mut b = CudaBatch::new(model, Some(refs.len() * CTX), 0).unwrap();
+    // Batch-invariant: the steps of one row stay on the batched pass under test.
+    let mut b = CudaBatch::new(model, Some(refs.len() * CTX), 0, true).unwrap();
     let per_seq = CTX / b.kv_block_tokens();
     let tables: Vec<Vec<u32>> = (0..refs.len())
         .map(|s| {
@@ -258,6 +259,7 @@ fn batched(g: &Gguf, format: WeightFormat, refs: &[Reference], tol: f32) -> f32 
                 history: &r.tokens[..end],
                 prompt_len: r.prompt_len,
                 logprobs: read_logits.then_some(vocab),
+                more: 0,
             });
             if sample.is_some() {
                 sampled.push((s, end - 1));
