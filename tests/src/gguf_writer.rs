@@ -245,3 +245,27 @@ pub fn with_tensor(mut f: GgufFile, name: &str, ty: u32, shape: &[u64]) -> GgufF
     (t.ty, t.shape) = (ty, shape.to_vec());
     f
 }
+
+/// `g` with every matrix (every tensor of two dimensions) dequantized and rounded to f16, the
+/// other tensors and all metadata as they are: an F16 GGUF of the same model, as llama.cpp's
+/// `llama-quantize ... F16` writes one.
+pub fn f16_copy(g: &orcd::gguf::Gguf) -> GgufFile {
+    let mut f = GgufFile {
+        metadata: g.metadata().to_vec(),
+        ..GgufFile::default()
+    };
+    for t in g.tensors() {
+        let data = g.tensor_data(t);
+        f = if t.shape.len() == 2 {
+            let x = orcd::quant::dequantize_to_vec(t.ty, data).expect("a known type");
+            let bytes = x
+                .iter()
+                .flat_map(|&v| half::f16::from_f32(v).to_le_bytes())
+                .collect();
+            f.tensor_with(&t.name, F16, &t.shape, bytes)
+        } else {
+            f.tensor_with(&t.name, t.ty as u32, &t.shape, data.to_vec())
+        };
+    }
+    f
+}

@@ -110,6 +110,12 @@ fn sm80_build_generates_as_the_default_build() {
 /// position. Returns (agreeing positions, positions).
 fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
     let mut m = gpu_model(weights)?;
+    Some(teacher_forced_on(&mut m, &format!("{weights:?}")))
+}
+
+/// `teacher_forced` on the model `m`, named `what` in messages: every position whose reference
+/// margin is at least `NEAR_TIE` must agree.
+fn teacher_forced_on(m: &mut DecodePipeline, what: &str) -> (usize, usize) {
     let vocab = m.model().cfg.vocab;
     let (mut agree, mut total, mut worst) = (0, 0, 0.0f32);
     for p in ref_prompts() {
@@ -129,7 +135,7 @@ fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
                 );
                 assert!(
                     p.margin(i) < NEAR_TIE,
-                    "{weights:?}: {:?} pos {i}: top-1 {top1} != {want}, margin {}",
+                    "{what}: {:?} pos {i}: top-1 {top1} != {want}, margin {}",
                     p.text,
                     p.margin(i)
                 );
@@ -138,9 +144,9 @@ fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
         }
     }
     println!(
-        "{weights:?}: top-1 agreement {agree}/{total}; max |logit - reference| of the reference top-1: {worst:.4}"
+        "{what}: top-1 agreement {agree}/{total}; max |logit - reference| of the reference top-1: {worst:.4}"
     );
-    Some((agree, total))
+    (agree, total)
 }
 
 #[test]
@@ -162,6 +168,27 @@ fn teacher_forced_f16_matches_reference() {
     let Some((agree, total)) = teacher_forced(WeightFormat::F16) else {
         return;
     };
+    assert!(
+        agree * 100 >= total * 98,
+        "top-1 agreement {agree}/{total} < 98%"
+    );
+}
+
+/// An F16 GGUF (the predecessor's model was one): the model's matrices written as f16 by the
+/// tests' GGUF writer, run natively, holds to the references of the file it came from as the
+/// f16 weight path does.
+#[test]
+fn f16_gguf_teacher_forced_matches_reference() {
+    let Some(dev) = orcd_tests::gpu() else {
+        return;
+    };
+    let path = std::env::temp_dir().join(format!("orcd-f16-{}.gguf", std::process::id()));
+    std::fs::write(&path, orcd_tests::gguf_writer::f16_copy(gguf()).bytes()).unwrap();
+    let g = orcd::gguf::Gguf::open(&path);
+    let _ = std::fs::remove_file(&path);
+    let g = g.unwrap();
+    let mut m = DecodePipeline::load(dev, &g, 4096, WeightFormat::Native, &mut |_| {}).unwrap();
+    let (agree, total) = teacher_forced_on(&mut m, "F16 GGUF");
     assert!(
         agree * 100 >= total * 98,
         "top-1 agreement {agree}/{total} < 98%"
