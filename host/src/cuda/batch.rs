@@ -318,7 +318,7 @@ impl CudaBatch {
     fn alone(&mut self, rows: &[Row]) -> Result<Option<Vec<RowOutput>>> {
         let lone = self.lone.take();
         let single = match rows {
-            [r] if !self.batch_invariant => r
+            [r] if !self.batch_invariant && !r.blocks.is_empty() => r
                 .sample
                 .as_ref()
                 .filter(|s| pipeline_samples(s))
@@ -347,7 +347,9 @@ impl CudaBatch {
             Some(l) => l.from,
             None => {
                 self.upload_table(r.blocks)?;
-                let history = &s.history[..r.start];
+                let history = s.history.get(..r.start).ok_or_else(|| {
+                    Error::Invalid(format!("a row at {} has a shorter history", r.start))
+                })?;
                 let model = self.pipe.model_mut();
                 model.adopt_paged(&mut self.kv, &self.step.tables, history, BLOCK_TOKENS)?;
                 r.start
