@@ -327,6 +327,24 @@ fn answers_503_while_loading_then_lists_the_model() {
     assert_eq!(m["data"][0]["id"], MODEL);
     assert_eq!(m["data"][0]["object"], "model");
     assert_eq!(m["data"][0]["max_model_len"], CTX);
+
+    // Retrieve: the same card by its id; any other id is OpenAI's 404 (slashes too, as in
+    // `org/name` ids); the key is needed as everywhere.
+    let r = s.get(&format!("/v1/models/{MODEL}"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), m["data"][0]);
+    for id in ["other-model", "org/test-model", "test%2Dmodel%FF"] {
+        let r = s.get(&format!("/v1/models/{id}"));
+        assert_eq!(r.status, 404, "{id}: {}", r.body);
+        let e = &r.json()["error"];
+        assert!(e["message"].is_string(), "{id}: {e}");
+    }
+    let e = s.get("/v1/models/other-model").json()["error"].clone();
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+    assert_eq!(e["param"], "model", "{e}");
+    assert_eq!(e["code"], "model_not_found", "{e}");
+    let r = send(&s.base, None, "GET", &format!("/v1/models/{MODEL}"), None);
+    assert_eq!(r.status, 401, "{}", r.body);
 }
 
 /// The same greedy answer as `orcd run` for the same prompt and length, whole and streamed.
