@@ -623,6 +623,8 @@ fn execute_streams_started_tokens_metrics_end() {
     assert_eq!(h["quant_kind"], "Q4_K_M");
     assert_eq!(h["tokenizer_kind"], "gguf-bpe");
     assert_eq!(h["context_length"], CTX);
+    // No GPU memory on the CPU.
+    assert_eq!(h["vram_bytes_used"], 0);
 }
 
 /// `/cancel` ends a job with `CANCELLED`, a client that disconnects ends its request, and both

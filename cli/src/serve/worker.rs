@@ -312,8 +312,9 @@ pub async fn health(State(s): State<Arc<Server>>) -> Result<Response, WorkerErro
         // Weights in GPU memory; on the CPU there is none.
         "resident": on_gpu,
         "quant_kind": ready.quant_kind,
-        // The engine does not report its GPU memory; on the CPU it uses none.
-        "vram_bytes_used": if on_gpu { None } else { Some(0) },
+        // The GPU's memory in use as its driver counts it (total less free), as the spec's
+        // `get_process_vram_usage` does; null if the driver cannot tell. The CPU uses none.
+        "vram_bytes_used": if on_gpu { engine.device_memory_used() } else { Some(0) },
         "tokenizer_kind": "gguf-bpe",
         "vocab_size": engine.tokenizer().vocab_size(),
         "context_length": engine.ctx_len(),

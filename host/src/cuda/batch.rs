@@ -9,6 +9,7 @@
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
+use super::MemoryGauge;
 use super::model::{CudaModel, MAX_BATCH, StepInputs};
 use super::paged::{AttentionItem, PagedKv};
 use super::sample_rows::{RowSamplerInputs, RowSampling};
@@ -309,5 +310,9 @@ impl Backend for CudaBatch {
 
     fn device(&self) -> String {
         self.model.device().name().unwrap_or_else(|_| "cuda".into())
+    }
+
+    fn memory_gauge(&self) -> Option<MemoryGauge> {
+        Some(self.model.device().memory_gauge())
     }
 }
