@@ -583,6 +583,8 @@ fn execute_streams_started_tokens_metrics_end() {
                 assert_eq!(data["job_id"], "job-a");
                 assert_eq!(data["model"], MODEL);
                 assert!(data["started_at"].as_str().unwrap().ends_with('Z'));
+                // No seed asked for: the one the worker picked.
+                assert!(data["seed"].is_u64(), "{data}");
             }
             "token" => {
                 let i = names.iter().filter(|n| *n == "token").count();
@@ -604,6 +606,15 @@ fn execute_streams_started_tokens_metrics_end() {
         &json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}),
     );
     assert_eq!(c.json()["choices"][0]["text"], text);
+    // A seed asked for is the one reported.
+    let mut events = s.stream(
+        "/execute",
+        &json!({"job_id": "job-s", "prompt": prompt, "max_tokens": 1, "seed": 42}),
+    );
+    let (name, data) = events.next().unwrap();
+    assert_eq!(name, "started");
+    assert_eq!(serde_json::from_str::<Value>(&data).unwrap()["seed"], 42);
+    while events.next().is_some() {}
 
     let h = s.wait_idle();
     for field in [
