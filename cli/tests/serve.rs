@@ -327,6 +327,24 @@ fn answers_503_while_loading_then_lists_the_model() {
     assert_eq!(m["data"][0]["id"], MODEL);
     assert_eq!(m["data"][0]["object"], "model");
     assert_eq!(m["data"][0]["max_model_len"], CTX);
+
+    // Retrieve: the same card by its id; any other id is OpenAI's 404 (slashes too, as in
+    // `org/name` ids); the key is needed as everywhere.
+    let r = s.get(&format!("/v1/models/{MODEL}"));
+    assert_eq!(r.status, 200, "{}", r.body);
+    assert_eq!(r.json(), m["data"][0]);
+    for id in ["other-model", "org/test-model", "test%2Dmodel%FF"] {
+        let r = s.get(&format!("/v1/models/{id}"));
+        assert_eq!(r.status, 404, "{id}: {}", r.body);
+        let e = &r.json()["error"];
+        assert!(e["message"].is_string(), "{id}: {e}");
+    }
+    let e = s.get("/v1/models/other-model").json()["error"].clone();
+    assert_eq!(e["type"], "invalid_request_error", "{e}");
+    assert_eq!(e["param"], "model", "{e}");
+    assert_eq!(e["code"], "model_not_found", "{e}");
+    let r = send(&s.base, None, "GET", &format!("/v1/models/{MODEL}"), None);
+    assert_eq!(r.status, 401, "{}", r.body);
 }
 
 /// The same greedy answer as `orcd run` for the same prompt and length, whole and streamed.
@@ -565,6 +583,8 @@ fn execute_streams_started_tokens_metrics_end() {
                 assert_eq!(data["job_id"], "job-a");
                 assert_eq!(data["model"], MODEL);
                 assert!(data["started_at"].as_str().unwrap().ends_with('Z'));
+                // No seed asked for: the one the worker picked.
+                assert!(data["seed"].is_u64(), "{data}");
             }
             "token" => {
                 let i = names.iter().filter(|n| *n == "token").count();
@@ -586,6 +606,15 @@ fn execute_streams_started_tokens_metrics_end() {
         &json!({"prompt": prompt, "max_tokens": 4, "temperature": 0}),
     );
     assert_eq!(c.json()["choices"][0]["text"], text);
+    // A seed asked for is the one reported.
+    let mut events = s.stream(
+        "/execute",
+        &json!({"job_id": "job-s", "prompt": prompt, "max_tokens": 1, "seed": 42}),
+    );
+    let (name, data) = events.next().unwrap();
+    assert_eq!(name, "started");
+    assert_eq!(serde_json::from_str::<Value>(&data).unwrap()["seed"], 42);
+    while events.next().is_some() {}
 
     let h = s.wait_idle();
     for field in [
@@ -605,6 +634,8 @@ fn execute_streams_started_tokens_metrics_end() {
     assert_eq!(h["quant_kind"], "Q4_K_M");
     assert_eq!(h["tokenizer_kind"], "gguf-bpe");
     assert_eq!(h["context_length"], CTX);
+    // No GPU memory on the CPU.
+    assert_eq!(h["vram_bytes_used"], 0);
 }
 
 /// `/cancel` ends a job with `CANCELLED`, a client that disconnects ends its request, and both

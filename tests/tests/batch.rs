@@ -337,6 +337,8 @@ fn full_queue_long_prompts_and_shutdown_are_refused() {
         max_queue: 1,
         ..BatchOptions::default()
     });
+    // The CPU has no device memory to count.
+    assert_eq!(e.device_memory_used(), None);
     let p = prompts();
     let long = Request {
         ignore_eos: true,

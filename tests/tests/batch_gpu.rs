@@ -162,6 +162,8 @@ fn greedy_tokens_are_engine_generates_where_the_reference_is_clear() {
         return;
     }
     let e = gpu_engine(WeightFormat::Native, BatchOptions::default());
+    // The driver's count: the weights and the KV pool at least.
+    assert!(e.device_memory_used().is_some_and(|b| b > 0));
     let load = LoadOptions {
         device: DeviceChoice::Cuda,
         ctx: Some(CTX),

@@ -285,6 +285,7 @@ fn router(server: Arc<Server>) -> Router {
         .route("/v1/chat/completions", post(openai::chat))
         .route("/v1/completions", post(openai::completions))
         .route("/v1/models", get(openai::models))
+        .route("/v1/models/{*id}", get(openai::model))
         .route("/execute", post(worker::execute))
         .route("/cancel", post(worker::cancel))
         .route("/health", get(worker::health))

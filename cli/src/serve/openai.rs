@@ -1,12 +1,13 @@
-//! The OpenAI API: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models`, with
-//! OpenAI's request and response shapes and vLLM's sampling extensions (`top_k`, `min_p`,
-//! `repetition_penalty`, `ignore_eos`).
+//! The OpenAI API: `POST /v1/chat/completions`, `POST /v1/completions`, `GET /v1/models` and
+//! `GET /v1/models/{id}`, with OpenAI's request and response shapes and vLLM's sampling
+//! extensions (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`).
 use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use axum::body::Body;
-use axum::extract::State;
+use axum::extract::rejection::PathRejection;
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -72,18 +73,46 @@ pub async fn completions(State(s): State<Arc<Server>>, body: Body) -> Response {
 }
 
 pub async fn models(State(s): State<Arc<Server>>) -> Result<Response, ApiError> {
-    let ready = s.ready()?;
-    Ok(axum::Json(json!({
-        "object": "list",
-        "data": [{
-            "id": s.model_name,
-            "object": "model",
-            "created": unix_time(SystemTime::now() - s.started.elapsed()),
-            "owned_by": "orcd",
-            "max_model_len": ready.engine.ctx_len(),
-        }],
+    Ok(axum::Json(json!({"object": "list", "data": [model_card(&s)?]})).into_response())
+}
+
+/// `GET /v1/models/{id}`: the served model's card, 404 for any other id. The id may hold
+/// slashes (`Qwen/Qwen2-7B`), hence a wildcard route.
+pub async fn model(
+    State(s): State<Arc<Server>>,
+    id: Result<Path<String>, PathRejection>,
+) -> Result<Response, ApiError> {
+    // An id that is not UTF-8 once percent-decoded names no model either.
+    let id = id
+        .map_err(|e| ApiError::new(StatusCode::NOT_FOUND, e.body_text()))?
+        .0;
+    if id != s.model_name {
+        return Err(model_not_found(&s, &id));
+    }
+    Ok(axum::Json(model_card(&s)?).into_response())
+}
+
+/// The served model as `/v1/models` lists it; `max_model_len` is vLLM's.
+fn model_card(s: &Server) -> Result<Value, ApiError> {
+    Ok(json!({
+        "id": s.model_name,
+        "object": "model",
+        "created": unix_time(SystemTime::now() - s.started.elapsed()),
+        "owned_by": "orcd",
+        "max_model_len": s.ready()?.engine.ctx_len(),
     }))
-    .into_response())
+}
+
+fn model_not_found(s: &Server, model: &str) -> ApiError {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        format!(
+            "the model `{model}` does not exist; this server serves `{}`",
+            s.model_name
+        ),
+    )
+    .param("model")
+    .code("model_not_found")
 }
 
 async fn respond(s: Arc<Server>, api: Api, body: Body) -> Response {
@@ -109,15 +138,7 @@ async fn start(
     if let Some(model) = fields.string("model")?
         && model != s.model_name
     {
-        return Err(ApiError::new(
-            StatusCode::NOT_FOUND,
-            format!(
-                "the model `{model}` does not exist; this server serves `{}`",
-                s.model_name
-            ),
-        )
-        .param("model")
-        .code("model_not_found"));
+        return Err(model_not_found(s, model));
     }
     let p = parse(api, &fields)?;
     if s.is_draining() {

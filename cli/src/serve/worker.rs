@@ -136,6 +136,10 @@ pub async fn execute(State(s): State<Arc<Server>>, body: Body) -> Result<Respons
             )));
         }
     }
+    // Reported in `started`: the spec wants a seed the worker picked in the response.
+    let seed = f
+        .integer("seed", 0, u64::MAX as i128)?
+        .map_or_else(fresh_seed, |n| n as u64);
     let sampling = Sampling {
         params: SamplingParams {
             temperature: f.number("temperature", 1.0, 0.0, 2.0)?,
@@ -145,9 +149,7 @@ pub async fn execute(State(s): State<Arc<Server>>, body: Body) -> Result<Respons
             min_p: f.number("min_p", 0.0, 0.0, 1.0)?,
             // The spec's range is 0.0-2.0; 0 would divide by zero, so it starts above.
             repeat_penalty: f.number("repetition_penalty", 1.0, f32::MIN_POSITIVE, 2.0)?,
-            seed: f
-                .integer("seed", 0, u64::MAX as i128)?
-                .map_or_else(fresh_seed, |n| n as u64),
+            seed,
             ..SamplingParams::default()
         },
         frequency_penalty: 0.0,
@@ -197,6 +199,7 @@ pub async fn execute(State(s): State<Arc<Server>>, body: Body) -> Result<Respons
         "job_id": job_id,
         "model": s.model_name,
         "started_at": humantime::format_rfc3339_millis(SystemTime::now()).to_string(),
+        "seed": seed,
     });
     Ok(events(g, started, arrived).into_response())
 }
@@ -312,8 +315,9 @@ pub async fn health(State(s): State<Arc<Server>>) -> Result<Response, WorkerErro
         // Weights in GPU memory; on the CPU there is none.
         "resident": on_gpu,
         "quant_kind": ready.quant_kind,
-        // The engine does not report its GPU memory; on the CPU it uses none.
-        "vram_bytes_used": if on_gpu { None } else { Some(0) },
+        // The GPU's memory in use as its driver counts it (total less free), as the spec's
+        // `get_process_vram_usage` does; null if the driver cannot tell. The CPU uses none.
+        "vram_bytes_used": if on_gpu { engine.device_memory_used() } else { Some(0) },
         "tokenizer_kind": "gguf-bpe",
         "vocab_size": engine.tokenizer().vocab_size(),
         "context_length": engine.ctx_len(),

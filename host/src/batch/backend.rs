@@ -5,6 +5,7 @@
 //! positions it writes, and a block is only ever written by the sequence holding it.
 use super::{Sampling, TokenLogprob};
 use crate::Result;
+use crate::cuda::MemoryGauge;
 
 /// One sequence's share of a step.
 pub struct Row<'a> {
@@ -56,4 +57,8 @@ pub trait Backend: Send {
     fn ctx_len(&self) -> usize;
     /// "cpu" or the GPU's name.
     fn device(&self) -> String;
+    /// Reads the device's memory in use from other threads; `None` on the CPU.
+    fn memory_gauge(&self) -> Option<MemoryGauge> {
+        None
+    }
 }

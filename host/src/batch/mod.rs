@@ -16,9 +16,9 @@ use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 use crate::cpu::model::CpuModel;
-use crate::cuda::Device;
 use crate::cuda::batch::CudaBatch;
 use crate::cuda::model::CudaModel;
+use crate::cuda::{Device, MemoryGauge};
 use crate::engine::{DEFAULT_CTX, DeviceChoice, LoadOptions, open_with_tokenizer};
 use crate::gguf::Gguf;
 use crate::sampling::SamplingParams;
@@ -240,6 +240,7 @@ struct Inner {
     block_tokens: usize,
     kv_blocks: usize,
     max_queue: usize,
+    memory: Option<MemoryGauge>,
 }
 
 impl Drop for Inner {
@@ -285,6 +286,7 @@ impl BatchEngine {
             block_tokens: backend.kv_block_tokens(),
             kv_blocks: backend.kv_blocks(),
             max_queue: opts.max_queue,
+            memory: backend.memory_gauge(),
         };
         let (max_running, step_tokens) = (opts.max_running, opts.step_tokens);
         std::thread::Builder::new()
@@ -379,6 +381,12 @@ impl BatchEngine {
     /// "cpu" or the GPU's name.
     pub fn device(&self) -> &str {
         &self.inner.device
+    }
+
+    /// Bytes of GPU memory in use now, as the driver counts them (total less free, so other
+    /// processes' too); `None` on the CPU, or if the driver cannot tell.
+    pub fn device_memory_used(&self) -> Option<u64> {
+        self.inner.memory.as_ref()?.used().ok()
     }
 
     pub fn status(&self) -> EngineStatus {

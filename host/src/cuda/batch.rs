@@ -16,6 +16,7 @@ use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaGraph, CudaSlice};
 
 use super::Device;
+use super::MemoryGauge;
 use super::decode_pipeline::DecodePipeline;
 use super::model::{CudaModel, MAX_BATCH, StepInputs};
 use super::paged::{AttentionItem, PagedKv};
@@ -430,5 +431,9 @@ impl Backend for CudaBatch {
             .device()
             .name()
             .unwrap_or_else(|_| "cuda".into())
+    }
+
+    fn memory_gauge(&self) -> Option<MemoryGauge> {
+        Some(self.pipe.model().device().memory_gauge())
     }
 }

@@ -57,6 +57,24 @@ fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<&'static str, CudaFu
         .collect()
 }
 
+/// Reads a device's memory in use from any thread, while another thread runs its work.
+#[derive(Clone)]
+pub struct MemoryGauge(Arc<CudaContext>);
+
+impl MemoryGauge {
+    /// Bytes of device memory in use as the driver counts them, total less free: this
+    /// process's allocations, its context's own, and any other process's on the device.
+    pub fn used(&self) -> Result<u64> {
+        // Not `CudaContext::mem_get_info`: that takes (and clears) an error the context has
+        // recorded, which is the running thread's to see.
+        // SAFETY: the context is alive as long as the `Arc`; making it current on this thread
+        // changes nothing for the threads that use it.
+        unsafe { cudarc::driver::result::ctx::set_current(self.0.cu_ctx()) }?;
+        let (free, total) = cudarc::driver::result::mem_get_info()?;
+        Ok(total.saturating_sub(free) as u64)
+    }
+}
+
 /// Whether a CUDA device can be opened here, without opening it.
 pub fn is_available() -> bool {
     // SAFETY: only tries to load libcuda; nothing is called through it.
@@ -128,6 +146,11 @@ impl Device {
     /// Free and total device memory in bytes.
     pub fn memory(&self) -> Result<(usize, usize)> {
         Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// A handle that reads the memory in use from other threads.
+    pub fn memory_gauge(&self) -> MemoryGauge {
+        MemoryGauge(self.ctx.clone())
     }
 
     pub fn upload<T: DeviceRepr>(&self, host: &[T]) -> Result<CudaSlice<T>> {
