@@ -511,9 +511,12 @@ macro_rules! kernels {
             /// item `w` (grid x) is `items[4w..4w + 4] = (first row, rows, position of the first
             /// row, offset of its block table in tables)`, at most `paged::ITEM_ROWS` rows of
             /// one sequence; key `j` is cache row `tables[offset + j / block_tokens]·
-            /// block_tokens + j % block_tokens`; kv head from grid y. Grid: (items, n_kv);
-            /// block: `paged::WARPS` warps; shared: `paged::attention_shared_bytes(hd, group)`.
-            /// `hd` a multiple of 32, at most 128.
+            /// block_tokens + j % block_tokens`; kv head from grid y; grid z splits the keys.
+            /// `part` holds `paged::partial_floats(hd)` floats per (row of q, query head,
+            /// split); `counts` one word per (item, kv head), zero before the first launch
+            /// (each launch leaves it zero). Grid: (items, n_kv, `paged::SPLITS`); block:
+            /// `paged::WARPS` warps; shared: `paged::attention_shared_bytes(hd, group)`. `hd` a
+            /// multiple of 32, at most 128.
             PagedAttention(
                 out: *mut f32,
                 q: *const f32,
@@ -521,6 +524,8 @@ macro_rules! kernels {
                 v_cache: *const u16,
                 items: *const u32,
                 tables: *const u32,
+                part: *mut f32,
+                counts: *mut u32,
                 n_heads: u32,
                 n_kv: u32,
                 hd: u32,

@@ -211,6 +211,16 @@ pub mod paged {
     pub const TILE: u32 = 32;
     /// Warps of a `paged_attention` block.
     pub const WARPS: u32 = 8;
+    /// Blocks that share an item's keys (its grid's z): block `z` takes tiles `z, z + SPLITS,
+    /// ...`, so a lone decode row spreads over as many SMs as it has tiles, up to this many. A
+    /// constant, not a launch choice: a row's split, and so its bits, follow from its position.
+    pub const SPLITS: u32 = 32;
+
+    /// Floats of one block's partial result for one query vector (`paged_attention`'s
+    /// scratch): its unnormalised output `[hd]`, then its running max and sum.
+    pub const fn partial_floats(hd: u32) -> u32 {
+        hd + 2
+    }
 
     /// Shared memory of a `paged_attention` block, in f32, for head dim `hd` and a kv group of
     /// `group` query heads (`vectors = ITEM_ROWS·group`): K `[TILE][hd + 1]`, V `[TILE][hd]`,

@@ -18,7 +18,8 @@ use crate::{Error, Result};
 
 /// Tokens of a KV block.
 const BLOCK_TOKENS: usize = 16;
-/// GPU memory the pool leaves free (for the driver, graphs and the sampler's scratch).
+/// GPU memory the pool leaves free (for the driver, graphs and the attention's and the
+/// sampler's scratch).
 const HEADROOM: usize = 1 << 30;
 
 pub struct CudaBatch {
@@ -101,7 +102,7 @@ impl CudaBatch {
         }
 
         let (n, m) = self.upload(rows, 0)?;
-        self.model.forward_rows(&mut self.kv, &self.step, n)?;
+        self.model.forward_rows(&mut self.kv, &mut self.step, n)?;
         if m == 0 {
             return Ok(Vec::new());
         }
@@ -217,7 +218,7 @@ impl CudaBatch {
     /// The launches of a decode step of `n` rows, all reading their inputs from the device.
     fn decode_step(&mut self, n: usize) -> Result<()> {
         let vocab = self.model.cfg.vocab;
-        self.model.forward_rows(&mut self.kv, &self.step, n)?;
+        self.model.forward_rows(&mut self.kv, &mut self.step, n)?;
         self.model.logits_of_rows(&self.sample_rows, n)?;
         let (dev, logits) = self.model.logits_mut();
         dev.sample_rows_launch(&mut self.next, logits, vocab, n, &self.sampler)
