@@ -540,9 +540,12 @@ macro_rules! kernels {
 
             /// Per row `r` of `logits = [rows, n]`: its penalties `pen_*[first..first + count]`
             /// applied in place, then the next token into `out[r]` as `sampling::sample`
-            /// picks it with the row's `params[sampling::ROW_PARAM_WORDS·r..]`. Grid: one block
-            /// per row; block: a multiple of 32 threads, at most 512; shared:
-            /// `sampling::ARGMAX_SHARED_BYTES` (its block arg-max).
+            /// picks it with the row's `params[sampling::ROW_PARAM_WORDS·r..]`. A greedy row
+            /// (temperature 0 or top-k 1) is split over grid y's blocks, which meet in
+            /// `scratch[2r..2r + 2]` (zero before the first launch; each launch leaves it
+            /// zero); a sampled row takes block 0 alone. Grid: (rows, slices); block: a power
+            /// of two from 64 to 512 threads; shared: 4 bytes ×
+            /// `sampling::SAMPLE_ROWS_SHARED_WORDS`.
             SampleRows(
                 out: *mut u32,
                 logits: *mut f32,
@@ -551,6 +554,7 @@ macro_rules! kernels {
                 pen_ids: *const u32,
                 pen_scale: *const f32,
                 pen_sub: *const f32,
+                scratch: *mut u64,
             ) => sample_rows::sample_rows { sample_rows }
         }
     };

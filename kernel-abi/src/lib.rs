@@ -188,6 +188,16 @@ pub mod sampling {
     pub const ROW_PARAM_WORDS: usize = 10;
     /// Threads of a `sample_rows` block: its registers do not fit 1024.
     pub const SAMPLE_ROWS_THREADS: u32 = 512;
+    /// Keys (or ids) at which one pass of `sample_rows` sums the candidates at once: a search
+    /// narrows its range this many times a pass.
+    pub const PROBES: usize = 16;
+    /// Words of `sample_rows`: `sample`'s layout (its top-k candidates in `CAND_V`, `CAND_I`),
+    /// then each probe's per-warp counts and weights (`PROBE_SUMS`).
+    pub const PROBE_SUMS: usize = SAMPLE_SHARED_WORDS;
+    pub const SAMPLE_ROWS_SHARED_WORDS: usize = PROBE_SUMS + 2 * PROBES * 32;
+    /// Logits a block of a greedy row takes at least, when a row's arg-max is split over
+    /// blocks.
+    pub const GREEDY_SLICE: u32 = 4096;
 }
 
 /// The batched pass's matrix product (gpu-kernels' gemm_rows.rs).

@@ -221,7 +221,7 @@ impl CudaBatch {
         self.model.forward_rows(&mut self.kv, &mut self.step, n)?;
         self.model.logits_of_rows(&self.sample_rows, n)?;
         let (dev, logits) = self.model.logits_mut();
-        dev.sample_rows_launch(&mut self.next, logits, vocab, n, &self.sampler)
+        dev.sample_rows_launch(&mut self.next, logits, vocab, n, &mut self.sampler)
     }
 }
 
