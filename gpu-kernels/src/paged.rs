@@ -5,14 +5,19 @@
 //! from its blocks.
 use core::arch::nvptx;
 
-use crate::util::{WARP, block, block_dim, exp, shared, sync_threads, thread, warp_max, warp_sum};
+use crate::util::{
+    WARP, block, block_dim, count_last, exp, fence_gpu, load_l2, shared, sync_threads, thread,
+    warp_max, warp_sum,
+};
 
-use kernel_abi::paged::{ITEM_ROWS, WARPS};
+use kernel_abi::paged::{ITEM_ROWS, WARPS, partial_floats};
 
 use crate::params::{GatherRows, KvCopyPaged, PagedAttention, RopeKvPaged};
 
 /// Keys of a tile.
 const TILE: usize = kernel_abi::paged::TILE as usize;
+/// Blocks that share an item's tiles.
+const SPLITS: usize = kernel_abi::paged::SPLITS as usize;
 
 /// Per row `r`: NeoX RoPE at position `positions[r]` on q's `n_heads` heads (in place) and on
 /// k's `n_kv` heads, then k (rotated) and v stored as f16 in row `slots[r]` of `k_cache,
@@ -83,8 +88,15 @@ pub(crate) unsafe fn rope_kv_paged(p: RopeKvPaged) {
 /// in cache row `tables[offset + j / block_tokens] * block_tokens + j % block_tokens` of
 /// `k_cache, v_cache = [slots, n_kv * hd]` (f16). Query head `h` of `q, out = [rows, n_heads
 /// * hd]` reads kv head `h / (n_heads / n_kv)` (grid y). Scores are scaled by `scale`.
-/// Grid: (items, n_kv); block: `WARPS` warps; shared: `attention_shared_bytes(hd, group)`.
-/// `hd` <= 128, a multiple of 32.
+///
+/// Flash-decoding: the item's keys are tiles of `TILE`, and block `z` (grid z) runs the
+/// online softmax over tiles `z, z + SPLITS, ...` alone; blocks past the item's tiles leave at
+/// once. With more than one block at work, each writes its partial (output, max, sum) per
+/// query vector to `part`, and the last to finish (`counts`) adds them up in split order. A
+/// row's tiles, their split and that order follow from its position alone, so its result does
+/// not depend on the rows beside it, in its item or in the batch.
+/// Grid: (items, n_kv, `SPLITS`); block: `WARPS` warps; shared: `attention_shared_bytes(hd,
+/// group)`. `hd` <= 128, a multiple of 32.
 #[inline(always)]
 pub(crate) unsafe fn paged_attention(p: PagedAttention) {
     let PagedAttention {
@@ -94,6 +106,8 @@ pub(crate) unsafe fn paged_attention(p: PagedAttention) {
         v_cache,
         items,
         tables,
+        part,
+        counts,
         n_heads,
         n_kv,
         hd,
@@ -101,6 +115,7 @@ pub(crate) unsafe fn paged_attention(p: PagedAttention) {
         scale,
     } = p;
     let kvh = unsafe { nvptx::_block_idx_y() } as usize;
+    let split = unsafe { nvptx::_block_idx_z() } as usize;
     let item = unsafe { items.add(4 * block() as usize) };
     let (row0, rows, pos0, table) = unsafe {
         (
@@ -110,6 +125,11 @@ pub(crate) unsafe fn paged_attention(p: PagedAttention) {
             tables.add(*item.add(3) as usize),
         )
     };
+    let keys = pos0 + rows;
+    let splits = keys.div_ceil(TILE).min(SPLITS);
+    if split >= splits {
+        return;
+    }
     let group = (n_heads / n_kv) as usize;
     let (hd, vectors) = (hd as usize, rows * group);
     let (q_dim, kv_dim) = (n_heads as usize * hd, n_kv as usize * hd);
@@ -144,9 +164,8 @@ pub(crate) unsafe fn paged_attention(p: PagedAttention) {
         v += block_dim() as usize;
     }
 
-    let keys = pos0 + rows;
     let bt = block_tokens as usize;
-    let mut t0 = 0;
+    let mut t0 = split * TILE;
     while t0 < keys {
         // Everyone is done with the last tile (and the set-up above) before it is replaced.
         sync_threads();
@@ -221,13 +240,86 @@ pub(crate) unsafe fn paged_attention(p: PagedAttention) {
             }
             v += WARPS as usize;
         }
-        t0 += TILE;
+        t0 += SPLITS * TILE;
+    }
+    sync_threads();
+    if splits == 1 {
+        let mut i = thread() as usize;
+        while i < vectors * hd {
+            let (v, d) = (i / hd, i % hd);
+            unsafe { *out.add(q_at(v) + d) = *os.add(i) / *ls.add(v) };
+            i += block_dim() as usize;
+        }
+        return;
+    }
+
+    // This block's partials, then the last block of the item's splits adds them up.
+    let rec = partial_floats(hd as u32) as usize;
+    let part_at = |v: usize, z: usize| {
+        (((row0 + v / group) * n_heads as usize + kvh * group + v % group) * SPLITS + z) * rec
+    };
+    let mut i = thread() as usize;
+    while i < vectors * hd {
+        let (v, d) = (i / hd, i % hd);
+        unsafe { *part.add(part_at(v, split) + d) = *os.add(i) };
+        i += block_dim() as usize;
+    }
+    let mut v = thread() as usize;
+    while v < vectors {
+        unsafe {
+            *part.add(part_at(v, split) + hd) = *ms.add(v);
+            *part.add(part_at(v, split) + hd + 1) = *ls.add(v);
+        }
+        v += block_dim() as usize;
+    }
+    fence_gpu();
+    sync_threads();
+    // The tiles are done with: word 0 tells the block whether it is the last.
+    let last = smem as *mut u32;
+    if thread() == 0 {
+        let count = unsafe { counts.add(block() as usize * n_kv as usize + kvh) };
+        unsafe { *last = count_last(count, splits as u32) as u32 };
+    }
+    sync_threads();
+    if unsafe { *last } == 0 {
+        return;
+    }
+    // Row `r`'s own splits: those that hold its keys, each scaled to the largest max.
+    let splits_of = |v: usize| (pos0 + v / group + 1).div_ceil(TILE).min(SPLITS);
+    let max_of = |v: usize| {
+        let mut m = f32::NEG_INFINITY;
+        for z in 0..splits_of(v) {
+            m = m.max(load_l2(unsafe { part.add(part_at(v, z) + hd) }));
+        }
+        m
+    };
+    let factor = |v: usize, z: usize, m: f32| {
+        let mz = load_l2(unsafe { part.add(part_at(v, z) + hd) });
+        if mz == m { 1.0 } else { exp(mz - m) }
+    };
+    let mut v = thread() as usize;
+    while v < vectors {
+        let m = max_of(v);
+        let mut l = 0.0f32;
+        for z in 0..splits_of(v) {
+            l += load_l2(unsafe { part.add(part_at(v, z) + hd + 1) }) * factor(v, z, m);
+        }
+        unsafe {
+            *ms.add(v) = m;
+            *ls.add(v) = l;
+        }
+        v += block_dim() as usize;
     }
     sync_threads();
     let mut i = thread() as usize;
     while i < vectors * hd {
         let (v, d) = (i / hd, i % hd);
-        unsafe { *out.add(q_at(v) + d) = *os.add(i) / *ls.add(v) };
+        let m = unsafe { *ms.add(v) };
+        let mut o = 0.0f32;
+        for z in 0..splits_of(v) {
+            o += load_l2(unsafe { part.add(part_at(v, z) + d) }) * factor(v, z, m);
+        }
+        unsafe { *out.add(q_at(v) + d) = o / *ls.add(v) };
         i += block_dim() as usize;
     }
 }

@@ -4,18 +4,47 @@
 //! Every step of the CPU's pipeline (top-k, then top-p over the softmax of what is left, then
 //! min-p, then the draw) keeps a prefix of the candidates in their order (higher logit first,
 //! then lower id). So a step here is a search for where its prefix ends: the largest key at
-//! which the candidates' running count or weight reaches the step's target, found by bisection
-//! over the keys with one block-wide sum a probe, then the id among that key's ties. No sort
-//! and no candidate list: any top-k, top-k off included, in fixed shared memory.
-use crate::sampling::{block_best, key, scan_best, uniform};
-use crate::util::{block, block_dim, block_sum, exp, sync_threads, thread};
+//! which the candidates' running count or weight reaches the step's target, then the id among
+//! that key's ties. No sort: any top-k, top-k off included, in fixed shared memory.
+//!
+//! A search pass sums the candidates at `PROBES` keys at once, each sum as a block-wide sum of
+//! each thread's own candidates in id order, so the sum at a key has the same bits whichever
+//! pass takes it. Those sums only grow as the key falls, so the largest key that reaches a
+//! target is one key, however the search gets there. A top-k of up to `MAX_K` is gathered into
+//! shared memory first, and the later steps read it there instead of the row.
+//!
+//! A greedy row (temperature 0 or top-k 1) is an arg-max, split over the grid's y when rows
+//! are few: each block takes a slice and the last one to finish writes the token.
+use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use kernel_abi::sampling::ROW_PARAM_WORDS as PARAM_WORDS;
+use crate::sampling::{block_best, gather, key, kth_key, uniform};
+use crate::util::{
+    WARP, better, block, block_dim, block_sum, count_last, exp, load_early, shared, sync_threads,
+    thread, warp_sum,
+};
+
+use kernel_abi::sampling::{CAND_I, CAND_V, MAX_K, PROBE_SUMS, PROBES, ROW_PARAM_WORDS};
 
 use crate::params::SampleRows;
 
 /// The key of the lowest finite logit: -inf (and NaN, key 0) are never candidates.
 const KEY_MIN: u32 = 0x0080_0000;
+
+const _: () = assert!(PROBES == 16, "each_probe! writes out 16 probes");
+
+/// `for $j in 0..PROBES { $body }` written out, so that every index into a probe array is a
+/// constant and the arrays stay in registers.
+macro_rules! each_probe {
+    ($j:ident => $body:block) => {
+        each_probe!(@ $j, $body; 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15)
+    };
+    (@ $j:ident, $body:block; $($k:literal)*) => {
+        $({
+            let $j: usize = $k;
+            $body
+        })*
+    };
+}
 
 /// The candidates left by the steps so far: the prefix of an order that ends at the logit of
 /// key `k` and id `i` (keys above `k`, and ids up to `i` of key `k`).
@@ -37,9 +66,42 @@ enum Order {
     Scaled,
 }
 
+/// Where a step's prefix ends: where the running count reaches a number, or where the running
+/// weight reaches a share of the candidates' total weight.
+#[derive(Clone, Copy)]
+enum Target {
+    Count(f32),
+    Share(f32),
+}
+
+/// `f(x[i], i)` for this thread's `i` of `lo..hi` (`lo + thread, + blockDim, ...`) in order,
+/// four loads in flight at a time.
+#[inline(always)]
+fn scan(x: *const f32, lo: u32, hi: u32, mut f: impl FnMut(f32, u32)) {
+    let bd = block_dim();
+    let mut i = lo + thread();
+    while i + 3 * bd < hi {
+        // Loads that LLVM cannot sink past the branches of `f`.
+        let at = |k: u32| load_early(x.wrapping_add((i + k * bd) as usize));
+        let v = [at(0), at(1), at(2), at(3)];
+        f(v[0], i);
+        f(v[1], i + bd);
+        f(v[2], i + 2 * bd);
+        f(v[3], i + 3 * bd);
+        i += 4 * bd;
+    }
+    while i < hi {
+        f(unsafe { *x.add(i as usize) }, i);
+        i += bd;
+    }
+}
+
 struct Row {
     x: *const f32,
     n: u32,
+    /// The candidates gathered into shared memory (values `CAND_V`, ids `CAND_I`, in id
+    /// order), if the row's top-k is there: then passes read those, not `x`.
+    listed: Option<u32>,
     /// The largest logit: scaled value 0, weight 1.
     max: f32,
     temperature: f32,
@@ -75,85 +137,187 @@ impl Row {
             .then_some((k, weight))
     }
 
-    /// The count and weight of the candidates of `p` whose key is at least `t` and, if their
-    /// key is `t`, whose id is at most `last` (all of them with `last = u32::MAX`).
+    /// `f(l, i)` for this thread's logits in id order: ids `thread, + blockDim, ...` of the
+    /// row, or of the listed candidates those with such ids.
     #[inline(always)]
-    fn sum(&self, p: Prefix, order: Order, t: u32, last: u32) -> (f32, f32) {
-        let (mut count, mut weight) = (0.0f32, 0.0f32);
-        let mut i = thread();
-        while i < self.n {
-            let l = unsafe { *self.x.add(i as usize) };
-            if let Some((k, w)) = self.candidate(l, i, p, order)
-                && k >= t
-                && (k > t || i <= last)
-            {
-                count += 1.0;
-                weight += w;
+    fn each(&self, mut f: impl FnMut(f32, u32)) {
+        let Some(count) = self.listed else {
+            return scan(self.x, 0, self.n, f);
+        };
+        let sh = shared::<u32>();
+        let (t, mask) = (thread(), block_dim() - 1);
+        for j in 0..count as usize {
+            let i = unsafe { *sh.add(CAND_I + j) };
+            if i & mask == t {
+                f(unsafe { *(sh.add(CAND_V + j) as *const f32) }, i);
             }
-            i += block_dim();
         }
-        (block_sum(count), block_sum(weight))
     }
 
-    /// The smallest id of `p`'s candidates of key `k`.
+    /// The count and weight of the candidates of `p` at or past each probe `(t, last)` in
+    /// `order`: those whose key is above `t` or is `t` with an id up to `last`. Each sum is
+    /// `block_sum`'s of each thread's own candidates added in id order.
     #[inline(always)]
-    fn first_id(&self, p: Prefix, order: Order, k: u32) -> u32 {
-        let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
-        let mut i = thread();
-        while i < self.n {
-            let l = unsafe { *self.x.add(i as usize) };
-            if bi == u32::MAX && self.candidate(l, i, p, order).is_some_and(|c| c.0 == k) {
-                (bv, bi) = (0.0, i);
+    fn sums(&self, p: Prefix, order: Order, probes: &[(u32, u32); PROBES]) -> [(f32, f32); PROBES] {
+        let (mut count, mut weight) = ([0.0f32; PROBES], [0.0f32; PROBES]);
+        self.each(|l, i| {
+            if let Some((k, w)) = self.candidate(l, i, p, order) {
+                each_probe!(j => {
+                    let (t, last) = probes[j];
+                    if k > t || (k == t && i <= last) {
+                        count[j] += 1.0;
+                        weight[j] += w;
+                    }
+                });
             }
-            i += block_dim();
-        }
-        block_best(bv, bi).1
+        });
+        block_sums(count, weight)
+    }
+
+    /// The count of `p`'s candidates of key `k` or above, of those above it, and the smallest
+    /// id of those of key `k`.
+    #[inline(always)]
+    fn at_key(&self, p: Prefix, order: Order, k: u32) -> (f32, f32, u32) {
+        let (mut at_or_above, mut above, mut first) = (0.0f32, 0.0f32, u32::MAX);
+        self.each(|l, i| {
+            if let Some((kl, _)) = self.candidate(l, i, p, order) {
+                at_or_above += (kl >= k) as u32 as f32;
+                above += (kl > k) as u32 as f32;
+                if kl == k && first == u32::MAX {
+                    first = i;
+                }
+            }
+        });
+        let v = if first == u32::MAX {
+            f32::NEG_INFINITY
+        } else {
+            0.0
+        };
+        (
+            block_sum(at_or_above),
+            block_sum(above),
+            block_best(v, first).1,
+        )
     }
 
     /// The prefix of `p`'s candidates in `order` that ends at the first one at which their
-    /// running count (`by_count`) or weight reaches `target`.
+    /// running count or weight reaches `target`.
     #[inline(always)]
-    fn cut(&self, p: Prefix, order: Order, target: f32, by_count: bool) -> Prefix {
-        let reached = |s: (f32, f32)| (if by_count { s.0 } else { s.1 }) >= target;
-        // The largest key whose candidates at or above it reach the target.
+    fn cut(&self, p: Prefix, order: Order, target: Target) -> Prefix {
+        let of = |s: (f32, f32)| match target {
+            Target::Count(_) => s.0,
+            Target::Share(_) => s.1,
+        };
+        // The largest key whose candidates at or above it reach the goal. Probe 0 is at the
+        // range's low end: in the first pass its sum is the total that a share is of.
         let (mut lo, mut hi) = (KEY_MIN, self.key(self.max, order));
-        while lo < hi {
-            let mid = lo + (hi - lo).div_ceil(2);
-            if reached(self.sum(p, order, mid, u32::MAX)) {
-                lo = mid;
-            } else {
-                hi = mid - 1;
-            }
-        }
-        // Which of that key's ties (in id order) reaches it: the one tie, or the smallest id
-        // at which the target is reached with at least one of the ties in.
-        let above = self.sum(p, order, lo.saturating_add(1), u32::MAX).0;
-        if self.sum(p, order, lo, u32::MAX).0 - above == 1.0 {
-            return Prefix {
-                k: lo,
-                i: self.first_id(p, order, lo),
+        let mut total = None;
+        let goal = loop {
+            let span = (hi - lo) as u64;
+            let mut probes = [(lo, u32::MAX); PROBES];
+            each_probe!(j => {
+                probes[j].0 = lo + (span * j as u64).div_ceil(PROBES as u64) as u32;
+            });
+            let s = self.sums(p, order, &probes);
+            let total = *total.get_or_insert(s[0].1);
+            let goal = match target {
+                Target::Count(c) => c,
+                Target::Share(share) => share * total,
             };
+            // Probes reach the goal up to some one and no further.
+            let mut next = lo;
+            each_probe!(j => {
+                if of(s[j]) >= goal {
+                    next = probes[j].0;
+                }
+            });
+            let mut above = hi;
+            each_probe!(j => {
+                if of(s[j]) < goal && probes[j].0 > next {
+                    above = above.min(probes[j].0 - 1);
+                }
+            });
+            (lo, hi) = (next, above);
+            if lo >= hi {
+                break goal;
+            }
+        };
+        // Which of that key's ties (in id order) reaches it: the one tie, or the smallest id
+        // at which the goal is reached with at least one of the ties in.
+        let (at_or_above, above, first) = self.at_key(p, order, lo);
+        if at_or_above - above == 1.0 {
+            return Prefix { k: lo, i: first };
         }
         let (mut a, mut b) = (0u32, self.n - 1);
         while a < b {
-            let mid = a + (b - a) / 2;
-            let s = self.sum(p, order, lo, mid);
-            if s.0 > above && reached(s) {
-                b = mid;
-            } else {
-                a = mid + 1;
-            }
+            let span = (b - a) as u64;
+            let mut probes = [(lo, a); PROBES];
+            each_probe!(j => {
+                probes[j].1 = a + (span * j as u64 / PROBES as u64) as u32;
+            });
+            let s = self.sums(p, order, &probes);
+            // Probes fail up to some one and hold from there: the answer is past the last
+            // that fails and at most the first that holds.
+            let (mut from, mut to) = (a, b);
+            each_probe!(j => {
+                if s[j].0 > above && of(s[j]) >= goal {
+                    to = to.min(probes[j].1);
+                } else {
+                    from = probes[j].1 + 1;
+                }
+            });
+            (a, b) = (from, to);
         }
         Prefix { k: lo, i: a }
     }
+}
+
+/// `block_sum` of each of the counts and weights, in one meeting of the warps.
+#[inline(always)]
+fn block_sums(count: [f32; PROBES], weight: [f32; PROBES]) -> [(f32, f32); PROBES] {
+    let sh = shared::<f32>();
+    let (lane, warp, warps) = (thread() % WARP, thread() / WARP, block_dim() / WARP);
+    let slot = |j: usize, w: u32| unsafe { sh.add(PROBE_SUMS + j * WARP as usize + w as usize) };
+    each_probe!(j => {
+        let (c, w) = (warp_sum(count[j]), warp_sum(weight[j]));
+        if lane == 0 {
+            unsafe {
+                *slot(j, warp) = c;
+                *slot(PROBES + j, warp) = w;
+            }
+        }
+    });
+    sync_threads();
+    let read = |j: usize| {
+        if lane < warps {
+            unsafe { *slot(j, lane) }
+        } else {
+            0.0
+        }
+    };
+    let mut sums = [(0.0, 0.0); PROBES];
+    each_probe!(j => {
+        sums[j] = (warp_sum(read(j)), warp_sum(read(PROBES + j)));
+    });
+    // Keep the slots until every warp has read them, so the block can sum again.
+    sync_threads();
+    sums
+}
+
+/// A u64 ordered as `better` orders (value, index) pairs: larger values first (-0 equal to
+/// +0), then smaller indices. Not for NaN, which `better` never picks.
+#[inline(always)]
+fn best_key(v: f32, i: u32) -> u64 {
+    (key(v) as u64) << 32 | !i as u64
 }
 
 /// Per row `r` (the grid's x) of `logits = [rows, n]`: the penalties `pen_*[first..first +
 /// count]` (distinct ids: the logit is divided by `pen_scale` if >= 0, else multiplied, then
 /// `pen_sub` subtracted), then the next token into `out[r]` as `sampling::sample` picks it with
 /// the row's `params[PARAM_WORDS * r..]` (temperature 0: the arg-max). Logits are penalised in
-/// place. Grid: one block per row; block: a multiple of 32 threads, at most 512; shared:
-/// 32 f32 + 32 u32.
+/// place. A greedy row's slices (grid y) meet in `scratch[2r]` (their best, as `best_key`) and
+/// `scratch[2r + 1]` (a count). Grid: (rows, slices); block: a power of two from 64 to 512
+/// threads; shared: `SAMPLE_ROWS_SHARED_WORDS` words.
 #[inline(always)]
 pub(crate) unsafe fn sample_rows(p: SampleRows) {
     let SampleRows {
@@ -164,10 +328,17 @@ pub(crate) unsafe fn sample_rows(p: SampleRows) {
         pen_ids,
         pen_scale,
         pen_sub,
+        scratch,
     } = p;
     let r = block() as usize;
+    let (slice, slices) = unsafe {
+        (
+            core::arch::nvptx::_block_idx_y() as u32,
+            core::arch::nvptx::_grid_dim_y() as u32,
+        )
+    };
     let x = unsafe { logits.add(r * n as usize) };
-    let w = |i: usize| unsafe { *params.add(PARAM_WORDS * r + i) };
+    let w = |i: usize| unsafe { *params.add(ROW_PARAM_WORDS * r + i) };
     let (temperature, top_k, top_p, min_p) = (
         f32::from_bits(w(0)),
         w(1),
@@ -177,6 +348,18 @@ pub(crate) unsafe fn sample_rows(p: SampleRows) {
     let seed = w(4) as u64 | (w(5) as u64) << 32;
     let draw = w(6) as u64 | (w(7) as u64) << 32;
     let (first, count) = (w(8) as usize, w(9) as usize);
+    // Top-k 1 keeps the best logit alone, whatever the temperature: an arg-max too.
+    let greedy = temperature == 0.0 || top_k == 1;
+    if !greedy && slice > 0 {
+        return;
+    }
+    // A greedy block's slice of the row, else all of it.
+    let (lo, hi) = if greedy {
+        let len = n.div_ceil(slices);
+        ((slice * len).min(n), ((slice + 1) * len).min(n))
+    } else {
+        (0, n)
+    };
 
     let mut i = thread() as usize;
     while i < count {
@@ -187,7 +370,7 @@ pub(crate) unsafe fn sample_rows(p: SampleRows) {
                 *pen_sub.add(first + i),
             )
         };
-        if id < n {
+        if lo <= id && id < hi {
             let l = unsafe { x.add(id as usize) };
             let v = unsafe { *l };
             let v = if scale == 1.0 {
@@ -204,33 +387,79 @@ pub(crate) unsafe fn sample_rows(p: SampleRows) {
     // The penalised logits are read by every thread next.
     sync_threads();
 
-    let (max, best) = scan_best(x, n);
-    let token = if temperature == 0.0 {
-        if best == u32::MAX { 0 } else { best }
-    } else if key(max) < KEY_MIN {
+    let (mut bv, mut bi) = (f32::NEG_INFINITY, u32::MAX);
+    scan(x, lo, hi, |v, i| {
+        if better(v, i, bv, bi) {
+            (bv, bi) = (v, i);
+        }
+    });
+    let (max, best) = block_best(bv, bi);
+    if greedy {
+        if thread() != 0 {
+            return;
+        }
+        let best = if slices == 1 {
+            if best == u32::MAX {
+                0
+            } else {
+                best_key(max, best)
+            }
+        } else {
+            // SAFETY: the row's two scratch words are only used atomically while this launch
+            // runs; the count releases this block's best and acquires the others'.
+            let key = unsafe { AtomicU64::from_ptr(scratch.add(2 * r)) };
+            if best != u32::MAX {
+                key.fetch_max(best_key(max, best), Relaxed);
+            }
+            if !unsafe { count_last(scratch.add(2 * r + 1) as *mut u32, slices) } {
+                return;
+            }
+            key.swap(0, Relaxed)
+        };
+        // Nothing at all (every logit NaN), or for top-k 1 nothing above -inf: token 0.
+        let token = if best == 0 || (temperature != 0.0 && ((best >> 32) as u32) < KEY_MIN) {
+            0
+        } else {
+            !(best as u32)
+        };
+        unsafe { *out.add(r) = token };
+        return;
+    }
+
+    let token = if key(max) < KEY_MIN {
         // Nothing beats -inf: no candidate.
         0
     } else {
         let mut row = Row {
             x,
             n,
+            listed: None,
             max,
             temperature,
             top: ALL,
             floor: 0.0,
         };
-        if top_k > 0 && row.sum(ALL, Order::Logits, KEY_MIN, u32::MAX).0 > top_k as f32 {
-            row.top = row.cut(ALL, Order::Logits, top_k as f32, true);
+        if 0 < top_k && top_k <= MAX_K {
+            // The top k (or every logit but NaN, if fewer) in id order, into shared memory:
+            // the candidates beyond are never read again.
+            let sh = shared::<u32>();
+            let value = |j: u32| unsafe { *x.add(j as usize) };
+            let (cv, ci) = unsafe { (sh.add(CAND_V) as *mut f32, sh.add(CAND_I)) };
+            let found = kth_key(&value, n, top_k);
+            row.listed = Some(gather(&value, &|j| j, n, found, cv, ci, MAX_K));
+        } else if top_k > 0 {
+            let probes = [(KEY_MIN, u32::MAX); PROBES];
+            if row.sums(ALL, Order::Logits, &probes)[0].0 > top_k as f32 {
+                row.top = row.cut(ALL, Order::Logits, Target::Count(top_k as f32));
+            }
         }
         let mut p = ALL;
         if top_p < 1.0 {
-            let z = row.sum(p, Order::Scaled, KEY_MIN, u32::MAX).1;
-            p = row.cut(p, Order::Scaled, top_p * z, false);
+            p = row.cut(p, Order::Scaled, Target::Share(top_p));
         }
         // min-p keeps the weights of at least min_p times the largest (1).
         row.floor = min_p;
-        let total = row.sum(p, Order::Scaled, KEY_MIN, u32::MAX).1;
-        row.cut(p, Order::Scaled, uniform(seed, draw) * total, false)
+        row.cut(p, Order::Scaled, Target::Share(uniform(seed, draw)))
             .i
     };
     if thread() == 0 {

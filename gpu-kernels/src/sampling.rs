@@ -387,7 +387,7 @@ pub(crate) fn key(v: f32) -> u32 {
 /// `key & mask` equals it. The select stops at the first digit whose bin holds exactly the
 /// values still needed (then all of the bin is in). `(0, 0, u32::MAX)`, all valid values, when
 /// fewer than `k` are valid.
-fn kth_key(value: &impl Fn(u32) -> f32, len: u32, k: u32) -> (u32, u32, u32) {
+pub(crate) fn kth_key(value: &impl Fn(u32) -> f32, len: u32, k: u32) -> (u32, u32, u32) {
     let sh = shared::<u32>();
     let (t, bd) = (thread(), block_dim());
     let (lane, warp, warps) = (t % WARP, t / WARP, bd / WARP);
@@ -484,7 +484,7 @@ fn kth_key(value: &impl Fn(u32) -> f32, len: u32, k: u32) -> (u32, u32, u32) {
 /// The top k of `kth_key`'s answer `(prefix, mask, need)` for `value(0..len)`: each one's
 /// value and `id(j)` into `out_v`/`out_i[..cap]`, in position order. Returns their number
 /// (at most `cap`). Ends with a barrier, so that the block may read them next.
-fn gather(
+pub(crate) fn gather(
     value: &impl Fn(u32) -> f32,
     id: &impl Fn(u32) -> u32,
     len: u32,

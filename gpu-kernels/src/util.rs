@@ -210,6 +210,24 @@ pub unsafe fn count_last(p: *mut u32, n: u32) -> bool {
     last
 }
 
+/// `fence.acq_rel.gpu`: this thread's writes before it are seen by the GPU before its writes
+/// after it (a block's partial results before the count that hands them to the last block).
+#[inline(always)]
+pub fn fence_gpu() {
+    unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
+}
+
+/// `*p` (global memory) read from L2 (`ld.global.cg`), never from a stale L1 line: what
+/// other blocks of the same launch wrote.
+#[inline(always)]
+pub fn load_l2(p: *const f32) -> f32 {
+    let v: f32;
+    unsafe {
+        asm!("ld.global.cg.f32 {0}, [{1}];", out(reg32) v, in(reg64) p, options(nostack, readonly))
+    };
+    v
+}
+
 /// Blocks in the grid.
 #[inline(always)]
 pub fn grid_dim() -> u32 {

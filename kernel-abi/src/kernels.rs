@@ -511,9 +511,12 @@ macro_rules! kernels {
             /// item `w` (grid x) is `items[4w..4w + 4] = (first row, rows, position of the first
             /// row, offset of its block table in tables)`, at most `paged::ITEM_ROWS` rows of
             /// one sequence; key `j` is cache row `tables[offset + j / block_tokens]·
-            /// block_tokens + j % block_tokens`; kv head from grid y. Grid: (items, n_kv);
-            /// block: `paged::WARPS` warps; shared: `paged::attention_shared_bytes(hd, group)`.
-            /// `hd` a multiple of 32, at most 128.
+            /// block_tokens + j % block_tokens`; kv head from grid y; grid z splits the keys.
+            /// `part` holds `paged::partial_floats(hd)` floats per (row of q, query head,
+            /// split); `counts` one word per (item, kv head), zero before the first launch
+            /// (each launch leaves it zero). Grid: (items, n_kv, `paged::SPLITS`); block:
+            /// `paged::WARPS` warps; shared: `paged::attention_shared_bytes(hd, group)`. `hd` a
+            /// multiple of 32, at most 128.
             PagedAttention(
                 out: *mut f32,
                 q: *const f32,
@@ -521,6 +524,8 @@ macro_rules! kernels {
                 v_cache: *const u16,
                 items: *const u32,
                 tables: *const u32,
+                part: *mut f32,
+                counts: *mut u32,
                 n_heads: u32,
                 n_kv: u32,
                 hd: u32,
@@ -556,9 +561,12 @@ macro_rules! kernels {
 
             /// Per row `r` of `logits = [rows, n]`: its penalties `pen_*[first..first + count]`
             /// applied in place, then the next token into `out[r]` as `sampling::sample`
-            /// picks it with the row's `params[sampling::ROW_PARAM_WORDS·r..]`. Grid: one block
-            /// per row; block: a multiple of 32 threads, at most 512; shared:
-            /// `sampling::ARGMAX_SHARED_BYTES` (its block arg-max).
+            /// picks it with the row's `params[sampling::ROW_PARAM_WORDS·r..]`. A greedy row
+            /// (temperature 0 or top-k 1) is split over grid y's blocks, which meet in
+            /// `scratch[2r..2r + 2]` (zero before the first launch; each launch leaves it
+            /// zero); a sampled row takes block 0 alone. Grid: (rows, slices); block: a power
+            /// of two from 64 to 512 threads; shared: 4 bytes ×
+            /// `sampling::SAMPLE_ROWS_SHARED_WORDS`.
             SampleRows(
                 out: *mut u32,
                 logits: *mut f32,
@@ -567,6 +575,7 @@ macro_rules! kernels {
                 pen_ids: *const u32,
                 pen_scale: *const f32,
                 pen_sub: *const f32,
+                scratch: *mut u64,
             ) => sample_rows::sample_rows { sample_rows }
         }
     };

@@ -188,6 +188,16 @@ pub mod sampling {
     pub const ROW_PARAM_WORDS: usize = 10;
     /// Threads of a `sample_rows` block: its registers do not fit 1024.
     pub const SAMPLE_ROWS_THREADS: u32 = 512;
+    /// Keys (or ids) at which one pass of `sample_rows` sums the candidates at once: a search
+    /// narrows its range this many times a pass.
+    pub const PROBES: usize = 16;
+    /// Words of `sample_rows`: `sample`'s layout (its top-k candidates in `CAND_V`, `CAND_I`),
+    /// then each probe's per-warp counts and weights (`PROBE_SUMS`).
+    pub const PROBE_SUMS: usize = SAMPLE_SHARED_WORDS;
+    pub const SAMPLE_ROWS_SHARED_WORDS: usize = PROBE_SUMS + 2 * PROBES * 32;
+    /// Logits a block of a greedy row takes at least, when a row's arg-max is split over
+    /// blocks.
+    pub const GREEDY_SLICE: u32 = 4096;
 }
 
 /// The batched pass's matrix product (gpu-kernels' gemm_rows.rs).
@@ -215,6 +225,16 @@ pub mod paged {
     /// f32 cache, or contiguous rows rounded into paged ones.
     pub const FROM_PAGED: u32 = 0;
     pub const TO_PAGED: u32 = 1;
+    /// Blocks that share an item's keys (its grid's z): block `z` takes tiles `z, z + SPLITS,
+    /// ...`, so a lone decode row spreads over as many SMs as it has tiles, up to this many. A
+    /// constant, not a launch choice: a row's split, and so its bits, follow from its position.
+    pub const SPLITS: u32 = 32;
+
+    /// Floats of one block's partial result for one query vector (`paged_attention`'s
+    /// scratch): its unnormalised output `[hd]`, then its running max and sum.
+    pub const fn partial_floats(hd: u32) -> u32 {
+        hd + 2
+    }
 
     /// Shared memory of a `paged_attention` block, in f32, for head dim `hd` and a kv group of
     /// `group` query heads (`vectors = ITEM_ROWS·group`): K `[TILE][hd + 1]`, V `[TILE][hd]`,

@@ -27,7 +27,8 @@ use crate::{Error, Result};
 
 /// Tokens of a KV block.
 const BLOCK_TOKENS: usize = 16;
-/// GPU memory the pool leaves free (for the driver, graphs and the sampler's scratch).
+/// GPU memory the pool leaves free (for the driver, graphs and the attention's and the
+/// sampler's scratch).
 const HEADROOM: usize = 1 << 30;
 
 pub struct CudaBatch {
@@ -121,7 +122,7 @@ impl CudaBatch {
         let (n, m) = self.upload(rows, 0)?;
         self.pipe
             .model_mut()
-            .forward_rows(&mut self.kv, &self.step, n)?;
+            .forward_rows(&mut self.kv, &mut self.step, n)?;
         if m == 0 {
             return Ok(Vec::new());
         }
@@ -239,10 +240,10 @@ impl CudaBatch {
         let vocab = self.pipe.model().cfg.vocab;
         self.pipe
             .model_mut()
-            .forward_rows(&mut self.kv, &self.step, n)?;
+            .forward_rows(&mut self.kv, &mut self.step, n)?;
         self.pipe.model_mut().logits_of_rows(&self.sample_rows, n)?;
         let (dev, logits) = self.pipe.model_mut().logits_mut();
-        dev.sample_rows_launch(&mut self.next, logits, vocab, n, &self.sampler)
+        dev.sample_rows_launch(&mut self.next, logits, vocab, n, &mut self.sampler)
     }
 }
 

@@ -12,7 +12,7 @@ use std::cell::{Cell, RefCell};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::decode_pipeline::GRAPH_STEPS;
-use super::paged::{KvCopy, PagedKv};
+use super::paged::{KvCopy, PagedKv, PagedScratch};
 use super::{AttentionSums, BoundedArgmax, Device, GpuMatrix, StepEnd};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
@@ -512,7 +512,7 @@ impl CudaModel {
     pub(crate) fn forward_rows(
         &mut self,
         kv: &mut [PagedKv],
-        step: &StepInputs,
+        step: &mut StepInputs,
         n: usize,
     ) -> Result<()> {
         let c = &self.cfg;
@@ -553,6 +553,7 @@ impl CudaModel {
                 &step.items,
                 step.n_items,
                 &step.tables,
+                &mut step.attention,
                 c.n_heads,
                 c.n_kv_heads,
                 c.head_dim,
@@ -661,7 +662,7 @@ impl CudaModel {
     /// The device buffers of the rows of one batched step, for up to `MAX_BATCH` rows and
     /// `tables` block-table entries.
     pub(crate) fn step_inputs(&self, tables: usize, block_tokens: usize) -> Result<StepInputs> {
-        let dev = &self.dev;
+        let (dev, c) = (&self.dev, &self.cfg);
         Ok(StepInputs {
             ids: dev.zeros(MAX_BATCH)?,
             positions: dev.zeros(MAX_BATCH)?,
@@ -669,6 +670,13 @@ impl CudaModel {
             items: dev.zeros(4 * 2 * MAX_BATCH)?,
             n_items: 0,
             tables: dev.zeros(tables.max(1))?,
+            attention: dev.paged_scratch(
+                MAX_BATCH,
+                2 * MAX_BATCH,
+                c.n_heads,
+                c.n_kv_heads,
+                c.head_dim,
+            )?,
             block_tokens,
         })
     }
@@ -683,6 +691,8 @@ pub(crate) struct StepInputs {
     pub items: CudaSlice<u32>,
     pub n_items: usize,
     pub tables: CudaSlice<u32>,
+    /// `paged_attention`'s partial results of its key splits.
+    pub attention: PagedScratch,
     pub block_tokens: usize,
 }
 

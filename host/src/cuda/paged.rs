@@ -1,7 +1,7 @@
 //! Launch helpers of the paged family (gpu-kernels/src/paged.rs): the KV cache of batched
 //! steps, kept in fixed-size blocks of f16 rows, and what ends a batched step.
 use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
-use kernel_abi::paged::{WARPS, attention_shared_bytes};
+use kernel_abi::paged::{SPLITS, WARPS, attention_shared_bytes, partial_floats};
 
 use super::kernels::{DevPtr, DevPtrMut, GatherRows, KvCopyPaged, PagedAttention, RopeKvPaged};
 use super::{BLOCK, Device, Overlap, allow_shared, check, u32_of};
@@ -9,6 +9,9 @@ use crate::Result;
 
 /// Query rows of one sequence a block of `paged_attention` takes.
 pub const ITEM_ROWS: usize = kernel_abi::paged::ITEM_ROWS as usize;
+/// Keys up to which each tile of a row's keys has a block of `paged_attention` to itself;
+/// past it, blocks take several tiles.
+pub const SPLIT_KEYS: usize = (SPLITS * kernel_abi::paged::TILE) as usize;
 
 /// One layer's paged KV cache: `slots = blocks * block_tokens` rows of `kv_dim` f16 for keys
 /// and for values. Cache row `b * block_tokens + i` is token `i` of block `b`.
@@ -24,6 +27,15 @@ pub enum KvCopy {
     FromPaged,
     /// Contiguous f32 rows rounded to nearest into paged f16 ones.
     ToPaged,
+}
+
+/// What `paged_attention`'s splits of a row's keys hand to the block that adds them up: each
+/// block's partial result per (row, query head, split), for up to `rows` rows of q, and a
+/// count per (item, kv head), for up to `items` items. The counts start at zero and every
+/// launch leaves them so.
+pub struct PagedScratch {
+    part: CudaSlice<f32>,
+    counts: CudaSlice<u32>,
 }
 
 /// Up to `ITEM_ROWS` consecutive rows of one sequence: the unit of work of `paged_attention`.
@@ -69,6 +81,22 @@ impl Device {
         Ok(PagedKv {
             k: self.zeros(slots * kv_dim)?,
             v: self.zeros(slots * kv_dim)?,
+        })
+    }
+
+    /// The scratch of `paged_attention` for up to `rows` rows of q and `items` items.
+    pub fn paged_scratch(
+        &self,
+        rows: usize,
+        items: usize,
+        n_heads: usize,
+        n_kv: usize,
+        head_dim: usize,
+    ) -> Result<PagedScratch> {
+        let floats = rows * n_heads * SPLITS as usize * partial_floats(head_dim as u32) as usize;
+        Ok(PagedScratch {
+            part: self.zeros(floats.max(1))?,
+            counts: self.zeros((items * n_kv).max(1))?,
         })
     }
 
@@ -142,7 +170,10 @@ impl Device {
     /// Causal GQA attention of the rows of `q = [rows, n_heads * head_dim]` over the paged
     /// cache `kv`, each item's rows over their sequence's keys `0..=position` read through its
     /// block table in `tables`, into `out` (q's shape). `items` as `AttentionItem::flatten`
-    /// writes them; every row of `q` in one item. Twin: `cpu::attention` per sequence.
+    /// writes them; every row of `q` in one item. `scratch` as `paged_scratch` makes it, for at
+    /// least q's rows and `n_items`. Each row's keys are split over up to `SPLITS` blocks by
+    /// its position alone, so its result does not depend on the batch. Twin: `cpu::attention`
+    /// per sequence.
     #[allow(clippy::too_many_arguments)]
     pub fn paged_attention(
         &self,
@@ -152,11 +183,14 @@ impl Device {
         items: &impl DevicePtr<u32>,
         n_items: usize,
         tables: &impl DevicePtr<u32>,
+        scratch: &mut PagedScratch,
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
         block_tokens: usize,
     ) -> Result<()> {
+        let rows = q.len() / (n_heads * head_dim).max(1);
+        let part = rows * n_heads * SPLITS as usize * partial_floats(head_dim as u32) as usize;
         check(
             n_items > 0
                 && items.len() >= 4 * n_items
@@ -166,13 +200,19 @@ impl Device {
                 && head_dim <= 128
                 && block_tokens > 0
                 && out.len() == q.len()
-                && q.len().is_multiple_of(n_heads * head_dim),
+                && q.len().is_multiple_of(n_heads * head_dim)
+                && scratch.part.len() >= part
+                && scratch.counts.len() >= n_items * n_kv,
             "paged_attention: shapes",
         )?;
         let shared = attention_shared_bytes(head_dim as u32, (n_heads / n_kv) as u32);
         allow_shared(self.function(PagedAttention::paged_attention), shared)?;
         let cfg = LaunchConfig {
-            grid_dim: (u32_of(n_items, "paged_attention: items")?, n_kv as u32, 1),
+            grid_dim: (
+                u32_of(n_items, "paged_attention: items")?,
+                n_kv as u32,
+                SPLITS,
+            ),
             block_dim: (WARPS * 32, 1, 1),
             shared_mem_bytes: shared,
         };
@@ -190,6 +230,8 @@ impl Device {
         let (v_cache, _vc) = DevPtr::of(&kv.v, s);
         let (items, _i) = DevPtr::of(items, s);
         let (tables, _t) = DevPtr::of(tables, s);
+        let (part, _p) = DevPtrMut::of(&mut scratch.part, s);
+        let (counts, _c) = DevPtrMut::of(&mut scratch.counts, s);
         let p = PagedAttention {
             out,
             q,
@@ -197,6 +239,8 @@ impl Device {
             v_cache,
             items,
             tables,
+            part,
+            counts,
             n_heads,
             n_kv,
             hd,
@@ -205,7 +249,8 @@ impl Device {
         };
         // SAFETY: the items' rows lie in q and out and their block tables in tables, covering
         // every key up to each row's position, with block ids inside the cache: the batch's
-        // builder (`cuda::batch`) guarantees it.
+        // builder (`cuda::batch`) guarantees it. The partials of q's rows and the counts of
+        // n_items items fit the scratch (checked).
         unsafe { p.launch(self, PagedAttention::paged_attention, cfg, Overlap::Serial) }
     }
 

@@ -2,11 +2,11 @@
 //! logits matrix sampled with its own parameters, penalties and draw.
 use cudarc::driver::{CudaSlice, DevicePtrMut, LaunchConfig};
 use kernel_abi::sampling::{
-    ARGMAX_SHARED_BYTES, ROW_PARAM_WORDS as PARAM_WORDS, SAMPLE_ROWS_THREADS,
+    GREEDY_SLICE, ROW_PARAM_WORDS as PARAM_WORDS, SAMPLE_ROWS_SHARED_WORDS, SAMPLE_ROWS_THREADS,
 };
 
 use super::kernels::{DevPtr, DevPtrMut, SampleRows};
-use super::{Device, Overlap, check, u32_of};
+use super::{Device, Overlap, allow_shared, check, u32_of};
 use crate::Result;
 
 /// How one row is sampled: `sampling::SamplingParams`' temperature, top-k (0 = off), top-p
@@ -24,15 +24,20 @@ pub struct RowSampling {
     pub penalties: Vec<(u32, f32, f32)>,
 }
 
-/// The device buffers `sample_rows` reads its rows' parameters and penalties from; they grow
-/// when a batch needs more, and `generation` counts the times they moved (a CUDA graph that
-/// captured a launch reads the old addresses).
+/// Blocks of `sample_rows` that the greedy rows of a launch fill, about two per SM: rows split
+/// their arg-max until there are this many (or every block has `GREEDY_SLICE` logits).
+const GREEDY_BLOCKS: usize = 256;
+
+/// The device buffers `sample_rows` reads its rows' parameters and penalties from (and where
+/// a greedy row's blocks meet); they grow when a batch needs more, and `generation` counts
+/// the times they moved (a CUDA graph that captured a launch reads the old addresses).
 #[derive(Default)]
 pub struct RowSamplerInputs {
     params: Option<CudaSlice<u32>>,
     ids: Option<CudaSlice<u32>>,
     scale: Option<CudaSlice<f32>>,
     sub: Option<CudaSlice<f32>>,
+    scratch: Option<CudaSlice<u64>>,
     pub generation: u64,
 }
 
@@ -76,7 +81,8 @@ impl RowSamplerInputs {
         let moved = room(dev, &mut self.params, params.len())?
             | room(dev, &mut self.ids, ids.len())?
             | room(dev, &mut self.scale, scale.len())?
-            | room(dev, &mut self.sub, sub.len())?;
+            | room(dev, &mut self.sub, sub.len())?
+            | room(dev, &mut self.scratch, 2 * rows.len())?;
         self.generation += u64::from(moved);
         let (Some(pd), Some(idd), Some(sd), Some(dd)) = (
             &mut self.params,
@@ -117,11 +123,15 @@ impl Device {
         logits: &mut impl DevicePtrMut<f32>,
         vocab: usize,
         n_rows: usize,
-        inputs: &RowSamplerInputs,
+        inputs: &mut RowSamplerInputs,
     ) -> Result<()> {
-        let (Some(pd), Some(idd), Some(sd), Some(dd)) =
-            (&inputs.params, &inputs.ids, &inputs.scale, &inputs.sub)
-        else {
+        let (Some(pd), Some(idd), Some(sd), Some(dd), Some(scratch)) = (
+            &inputs.params,
+            &inputs.ids,
+            &inputs.scale,
+            &inputs.sub,
+            &mut inputs.scratch,
+        ) else {
             return Err(crate::Error::Invalid(
                 "sample_rows: no rows uploaded".into(),
             ));
@@ -131,13 +141,19 @@ impl Device {
                 && vocab > 0
                 && out.len() >= n_rows
                 && logits.len() >= n_rows * vocab
-                && pd.len() >= n_rows * PARAM_WORDS,
+                && pd.len() >= n_rows * PARAM_WORDS
+                && scratch.len() >= 2 * n_rows,
             "sample_rows: shapes",
         )?;
+        // A greedy row's blocks: from the row count alone, so that a graph's launch fits
+        // every step it replays (an arg-max is the same however it is split).
+        let slices = (GREEDY_BLOCKS / n_rows).clamp(1, vocab.div_ceil(GREEDY_SLICE as usize));
+        let shared = (SAMPLE_ROWS_SHARED_WORDS * 4) as u32;
+        allow_shared(self.function(SampleRows::sample_rows), shared)?;
         let cfg = LaunchConfig {
-            grid_dim: (u32_of(n_rows, "sample_rows: rows")?, 1, 1),
+            grid_dim: (u32_of(n_rows, "sample_rows: rows")?, slices as u32, 1),
             block_dim: (SAMPLE_ROWS_THREADS, 1, 1),
-            shared_mem_bytes: ARGMAX_SHARED_BYTES,
+            shared_mem_bytes: shared,
         };
         let n = u32_of(vocab, "sample_rows: vocab")?;
         let s = self.stream();
@@ -147,6 +163,7 @@ impl Device {
         let (pen_ids, _i) = DevPtr::of(idd, s);
         let (pen_scale, _s) = DevPtr::of(sd, s);
         let (pen_sub, _d) = DevPtr::of(dd, s);
+        let (scratch, _x) = DevPtrMut::of(scratch, s);
         let p = SampleRows {
             out,
             logits,
@@ -155,10 +172,11 @@ impl Device {
             pen_ids,
             pen_scale,
             pen_sub,
+            scratch,
         };
         // SAFETY: each block reads its row's PARAM_WORDS words (uploaded for at least n_rows
-        // rows, their penalties inside the buffers) and its row of logits, and writes out[r]
-        // (checked).
+        // rows, their penalties inside the buffers) and its row of logits, writes out[r] and
+        // uses its row's two scratch words (checked).
         unsafe { p.launch(self, SampleRows::sample_rows, cfg, Overlap::Serial) }
     }
 }

@@ -1,9 +1,11 @@
 //! The paged family against its CPU twins: rope_kv_paged (RoPE per row, the cache store in
-//! f16), paged_attention over block tables mixing decode rows and prefill chunks (against
-//! `cpu::attention` over each sequence gathered from its blocks), gather_rows and kv_copy_paged.
+//! f16), paged_attention over block tables mixing decode rows and prefill chunks, short and
+//! thousands of keys long (against `cpu::attention` over each sequence gathered from its
+//! blocks; a row's bits the same in any batch), gather_rows and kv_copy_paged.
 use half::f16;
 use orcd::cpu;
-use orcd::cuda::paged::{AttentionItem, KvCopy};
+use orcd::cuda::Device;
+use orcd::cuda::paged::{AttentionItem, KvCopy, SPLIT_KEYS};
 use orcd_tests::{Rng, gpu};
 
 const THETA: f32 = 1e6;
@@ -101,23 +103,26 @@ struct Seq {
     blocks: Vec<u32>,
 }
 
-#[test]
-fn paged_attention_matches_cpu_over_gathered_sequences() {
-    let Some(dev) = gpu() else { return };
-    let mut rng = Rng::new(42);
-    for (n_heads, n_kv, hd, bt) in [(14, 2, 64, 16), (12, 2, 128, 32), (16, 2, 128, 16)] {
-        let (q_dim, kv_dim) = (n_heads * hd, n_kv * hd);
-        // Decode rows at short and long contexts, a prefill chunk from 0, a chunk after an
-        // earlier one, a chunk of one row, and a chunk longer than an item.
-        let shapes: [(usize, usize); 7] = [
-            (1, 1),
-            (300, 1),
-            (37, 37),
-            (100, 60),
-            (5, 1),
-            (1000, 1),
-            (20, 20),
-        ];
+/// The attention inputs of a batched step: sequences whose blocks are scattered over a pool of
+/// random keys and values, and the query rows of all of them, sequence by sequence.
+struct Step {
+    n_heads: usize,
+    n_kv: usize,
+    hd: usize,
+    bt: usize,
+    seqs: Vec<Seq>,
+    k_pool: Vec<u16>,
+    v_pool: Vec<u16>,
+    q: Vec<f32>,
+}
+
+impl Step {
+    /// A step of sequences `(keys, rows)` with random contents.
+    fn new(
+        rng: &mut Rng,
+        (n_heads, n_kv, hd, bt): (usize, usize, usize, usize),
+        shapes: &[(usize, usize)],
+    ) -> Step {
         let n_blocks: usize = shapes
             .iter()
             .map(|&(len, _)| len.div_ceil(bt))
@@ -137,17 +142,47 @@ fn paged_attention_matches_cpu_over_gathered_sequences() {
                 blocks: (0..len.div_ceil(bt)).map(|_| free.pop().unwrap()).collect(),
             })
             .collect();
-        let slots = n_blocks * bt;
-        let k_pool = to_f16(&rand(&mut rng, slots * kv_dim, 2.0));
-        let v_pool = to_f16(&rand(&mut rng, slots * kv_dim, 2.0));
+        let (slots, kv_dim) = (n_blocks * bt, n_kv * hd);
         let rows: usize = seqs.iter().map(|s| s.rows).sum();
-        let q = rand(&mut rng, rows * q_dim, 1.5);
+        Step {
+            k_pool: to_f16(&rand(rng, slots * kv_dim, 2.0)),
+            v_pool: to_f16(&rand(rng, slots * kv_dim, 2.0)),
+            q: rand(rng, rows * n_heads * hd, 1.5),
+            n_heads,
+            n_kv,
+            hd,
+            bt,
+            seqs,
+        }
+    }
 
-        let (mut items, mut tables, mut want, mut row) = (vec![], vec![], vec![], 0);
-        for s in &seqs {
-            let first = s.len - s.rows;
-            items.extend(AttentionItem::split(row, s.rows, first, tables.len()));
+    /// The first row of sequence `i` in `q`.
+    fn first_row(&self, i: usize) -> usize {
+        self.seqs[..i].iter().map(|s| s.rows).sum()
+    }
+
+    /// The items and block tables of all the sequences, each sequence's rows cut into items
+    /// from its first row.
+    fn items(&self) -> (Vec<AttentionItem>, Vec<u32>) {
+        let (mut items, mut tables) = (vec![], vec![]);
+        for (i, s) in self.seqs.iter().enumerate() {
+            items.extend(AttentionItem::split(
+                self.first_row(i),
+                s.rows,
+                s.len - s.rows,
+                tables.len(),
+            ));
             tables.extend(&s.blocks);
+        }
+        (items, tables)
+    }
+
+    /// `cpu::attention` of every sequence's rows over its keys gathered from its blocks.
+    fn want(&self) -> Vec<f32> {
+        let (q_dim, kv_dim, bt) = (self.n_heads * self.hd, self.n_kv * self.hd, self.bt);
+        let mut want = vec![];
+        for (i, s) in self.seqs.iter().enumerate() {
+            let first = s.len - s.rows;
             let gather = |pool: &[u16]| -> Vec<f32> {
                 (0..s.len)
                     .flat_map(|j| {
@@ -157,37 +192,145 @@ fn paged_attention_matches_cpu_over_gathered_sequences() {
                     .collect()
             };
             let mut out = vec![0.0; s.rows * q_dim];
-            let (kc, vc) = (gather(&k_pool), gather(&v_pool));
-            let qs = &q[row * q_dim..][..s.rows * q_dim];
-            cpu::attention(&mut out, qs, &kc, &vc, first, n_heads, n_kv, hd);
+            let (kc, vc) = (gather(&self.k_pool), gather(&self.v_pool));
+            let qs = &self.q[self.first_row(i) * q_dim..][..s.rows * q_dim];
+            cpu::attention(
+                &mut out,
+                qs,
+                &kc,
+                &vc,
+                first,
+                self.n_heads,
+                self.n_kv,
+                self.hd,
+            );
             want.extend(out);
-            row += s.rows;
         }
-        let kv = orcd::cuda::paged::PagedKv {
-            k: dev.upload(&k_pool).unwrap(),
-            v: dev.upload(&v_pool).unwrap(),
-        };
-        let mut out = dev.zeros::<f32>(rows * q_dim).unwrap();
-        let flat = AttentionItem::flatten(&items);
-        dev.paged_attention(
-            &mut out,
-            &dev.upload(&q).unwrap(),
-            &kv,
-            &dev.upload(&flat).unwrap(),
-            items.len(),
-            &dev.upload(&tables).unwrap(),
-            n_heads,
-            n_kv,
-            hd,
-            bt,
-        )
+        want
+    }
+}
+
+/// `paged_attention` of the query rows `q` of `step`'s pool over `items` and `tables`.
+fn run(dev: &Device, step: &Step, q: &[f32], items: &[AttentionItem], tables: &[u32]) -> Vec<f32> {
+    let kv = orcd::cuda::paged::PagedKv {
+        k: dev.upload(&step.k_pool).unwrap(),
+        v: dev.upload(&step.v_pool).unwrap(),
+    };
+    let rows = q.len() / (step.n_heads * step.hd);
+    let mut scratch = dev
+        .paged_scratch(rows, items.len(), step.n_heads, step.n_kv, step.hd)
         .unwrap();
-        let got = dev.download(&out).unwrap();
-        let err = max_err(&got, &want);
-        println!("paged_attention heads {n_heads}/{n_kv} hd {hd} block {bt}: err {err:.2e}");
+    let mut out = dev.zeros::<f32>(q.len()).unwrap();
+    let flat = AttentionItem::flatten(items);
+    dev.paged_attention(
+        &mut out,
+        &dev.upload(q).unwrap(),
+        &kv,
+        &dev.upload(&flat).unwrap(),
+        items.len(),
+        &dev.upload(tables).unwrap(),
+        &mut scratch,
+        step.n_heads,
+        step.n_kv,
+        step.hd,
+        step.bt,
+    )
+    .unwrap();
+    dev.download(&out).unwrap()
+}
+
+/// `step`'s rows on the GPU against the CPU, within `tol`.
+fn check_against_cpu(dev: &Device, step: &Step, what: &str, tol: f32) {
+    let (items, tables) = step.items();
+    let got = run(dev, step, &step.q, &items, &tables);
+    let err = max_err(&got, &step.want());
+    let (n_heads, n_kv, hd, bt) = (step.n_heads, step.n_kv, step.hd, step.bt);
+    println!("paged_attention {what} heads {n_heads}/{n_kv} hd {hd} block {bt}: err {err:.2e}");
+    assert!(err <= tol, "{what} heads {n_heads}/{n_kv} hd {hd}: {err}");
+}
+
+#[test]
+fn paged_attention_matches_cpu_over_gathered_sequences() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(42);
+    for dims in [(14, 2, 64, 16), (12, 2, 128, 32), (16, 2, 128, 16)] {
+        // Decode rows at short and long contexts, a prefill chunk from 0, a chunk after an
+        // earlier one, a chunk of one row, and a chunk longer than an item.
+        let shapes = [
+            (1, 1),
+            (300, 1),
+            (37, 37),
+            (100, 60),
+            (5, 1),
+            (1000, 1),
+            (20, 20),
+        ];
+        let step = Step::new(&mut rng, dims, &shapes);
         // As the contiguous kernels' tolerance (attention.rs's TOL): the order of the dot
         // products and softmax sums, and ex2.approx.
-        assert!(err <= 2e-5, "heads {n_heads}/{n_kv} hd {hd}: {err}");
+        check_against_cpu(&dev, &step, "mixed", 2e-5);
+    }
+}
+
+/// Long sequences, whose keys take every split several tiles each (and some splits one more
+/// than others), and many rows: decode rows of thousands of keys, prefill chunks deep into a
+/// sequence, and a hundred short and long decode rows side by side.
+#[test]
+fn paged_attention_matches_cpu_over_long_sequences_and_many_rows() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(44);
+    let split_keys = SPLIT_KEYS;
+    for dims in [(14, 2, 64, 16), (16, 4, 128, 32)] {
+        let mut shapes = vec![
+            (4 * split_keys + 17, 1),
+            (split_keys, 1),
+            (split_keys + 1, 1),
+            (3000, 24),
+            (6000, 3),
+            (33, 1),
+        ];
+        for i in 0..100 {
+            let len = 1 + (rng.next_f32().abs() * 2500.0) as usize;
+            shapes.push((len.max(1), 1 + (i % 7 == 0) as usize));
+        }
+        let step = Step::new(&mut rng, dims, &shapes);
+        check_against_cpu(&dev, &step, "long", 2e-5);
+    }
+}
+
+/// A row's result has the same bits whoever shares its launch: alone, beside other sequences,
+/// and with its prefill chunk cut into items at another row.
+#[test]
+fn paged_attention_rows_do_not_depend_on_the_batch() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(45);
+    let dims = (14, 2, 64, 16);
+    let shapes = [(2000, 1), (40, 1), (1500, 13), (700, 1), (9, 9)];
+    let step = Step::new(&mut rng, dims, &shapes);
+    let (items, tables) = step.items();
+    let all = run(&dev, &step, &step.q, &items, &tables);
+    let q_dim = step.n_heads * step.hd;
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, s) in step.seqs.iter().enumerate() {
+        let (row, first) = (step.first_row(i), s.len - s.rows);
+        let q = &step.q[row * q_dim..][..s.rows * q_dim];
+        let want = &all[row * q_dim..][..s.rows * q_dim];
+        let alone = AttentionItem::split(0, s.rows, first, 0);
+        assert_eq!(
+            bits(&run(&dev, &step, q, &alone, &s.blocks)),
+            bits(want),
+            "sequence {i} alone"
+        );
+        if s.rows > 3 {
+            // Items from the chunk's third row on: every row in another item, beside others.
+            let mut cut = AttentionItem::split(0, 3, first, 0);
+            cut.extend(AttentionItem::split(3, s.rows - 3, first + 3, 0));
+            assert_eq!(
+                bits(&run(&dev, &step, q, &cut, &s.blocks)),
+                bits(want),
+                "sequence {i} cut"
+            );
+        }
     }
 }
 

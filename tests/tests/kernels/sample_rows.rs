@@ -342,3 +342,72 @@ fn sample_rows_algorithm_matches_cpu() {
         }
     }
 }
+
+/// Few rows split a greedy row's arg-max over blocks: ties across the slices (the lowest id),
+/// penalties in every slice, NaN and -inf, top-k 1 at a temperature, and a sampled row beside
+/// them (its first block alone at work), as the CPU picks; a row's token the same alone.
+#[test]
+fn sample_rows_split_greedy_rows_match_cpu() {
+    let Some(dev) = gpu() else { return };
+    let mut rng = Rng::new(22);
+    let mut inputs = RowSamplerInputs::default();
+    let n = 151_936;
+    let mut tied = model_like(&mut rng, n);
+    let top = tied.iter().copied().fold(f32::NEG_INFINITY, f32::max) + 1.0;
+    for i in [150_000, 70_001, 4_097, 90_000] {
+        tied[i] = top;
+    }
+    tied[5] = f32::NAN;
+    let mut dead = vec![f32::NEG_INFINITY; n];
+    dead[3] = f32::NAN;
+    let logits = model_like(&mut rng, n);
+    let recent: Vec<u32> = (0..64).map(|i| (i * 2371 + 4_000) % n as u32).collect();
+    let top_k_1 = SamplingParams {
+        temperature: 0.8,
+        top_k: 1,
+        ..SamplingParams::default()
+    };
+    let cases: Vec<(Vec<f32>, SamplingParams)> = vec![
+        (tied.clone(), SamplingParams::greedy()),
+        (logits.clone(), SamplingParams::default()),
+        (logits.clone(), top_k_1.clone()),
+        (dead.clone(), SamplingParams::greedy()),
+        (dead, top_k_1),
+        (
+            tied,
+            SamplingParams {
+                repeat_penalty: 1.3,
+                ..SamplingParams::greedy()
+            },
+        ),
+    ];
+    for rows in 1..=cases.len() {
+        let batch = &cases[..rows];
+        let params: Vec<RowSampling> = batch.iter().map(|(_, p)| row(p, &recent, 3)).collect();
+        let all: Vec<f32> = batch.iter().flat_map(|(l, _)| l.clone()).collect();
+        let mut l = dev.upload(&all).unwrap();
+        let mut out = dev.zeros::<u32>(rows).unwrap();
+        dev.sample_rows(&mut out, &mut l, n, &params, &mut inputs)
+            .unwrap();
+        let got = dev.download(&out).unwrap();
+        for (i, (logits, p)) in batch.iter().enumerate() {
+            let want = sampling::sample(&mut logits.clone(), &recent, p, 3);
+            // A sampled row may differ at a boundary only (the first test's rule).
+            let near = p.temperature > 0.0 && p.top_k != 1 && {
+                let mut pen = logits.clone();
+                sampling::apply_repeat_penalty(
+                    &mut pen,
+                    &recent,
+                    p.repeat_penalty,
+                    p.repeat_last_n,
+                );
+                near_boundary(&pen, p, 3, got[i])
+            };
+            assert!(
+                got[i] == want || near,
+                "{rows} rows, row {i}: gpu {} cpu {want}",
+                got[i]
+            );
+        }
+    }
+}
