@@ -11,6 +11,8 @@ use orcd_tests::{cpu_model, gguf, ref_prompts};
 
 /// Top-2 margin below which GPU and CPU may legitimately pick different tokens.
 const NEAR_TIE: f32 = 0.1;
+/// Top-2 reference margin from which the f16 path must agree at every position.
+const F16_TIE: f32 = 0.05;
 
 /// The model on the GPU with `weights`, loaded once per format; `None` without a GPU.
 fn gpu_model(weights: WeightFormat) -> Option<MutexGuard<'static, DecodePipeline>> {
@@ -107,17 +109,17 @@ fn sm80_build_generates_as_the_default_build() {
 }
 
 /// Teacher-forced: feed prompt + reference generation, compare the top-1 at every generated
-/// position. Returns (agreeing positions, positions).
-fn teacher_forced(weights: WeightFormat) -> Option<(usize, usize)> {
+/// position; every position whose reference margin is at least `tie` must agree. Returns
+/// (agreeing positions, positions, positions of margin below `tie`).
+fn teacher_forced(weights: WeightFormat, tie: f32) -> Option<(usize, usize, usize)> {
     let mut m = gpu_model(weights)?;
-    Some(teacher_forced_on(&mut m, &format!("{weights:?}")))
+    Some(teacher_forced_on(&mut m, &format!("{weights:?}"), tie))
 }
 
-/// `teacher_forced` on the model `m`, named `what` in messages: every position whose reference
-/// margin is at least `NEAR_TIE` must agree.
-fn teacher_forced_on(m: &mut DecodePipeline, what: &str) -> (usize, usize) {
+/// `teacher_forced` on the model `m`, named `what` in messages.
+fn teacher_forced_on(m: &mut DecodePipeline, what: &str, tie: f32) -> (usize, usize, usize) {
     let vocab = m.model().cfg.vocab;
-    let (mut agree, mut total, mut worst) = (0, 0, 0.0f32);
+    let (mut agree, mut total, mut ties, mut worst) = (0, 0, 0, 0.0f32);
     for p in ref_prompts() {
         m.reset();
         let logits = m.forward(&p.sequence(), true).unwrap();
@@ -125,6 +127,7 @@ fn teacher_forced_on(m: &mut DecodePipeline, what: &str) -> (usize, usize) {
             let row = p.row(&logits, vocab, i);
             let (top1, want) = (orcd::cpu::argmax(row), p.top5_ids[i][0]);
             total += 1;
+            ties += usize::from(p.margin(i) < tie);
             if top1 == want {
                 agree += 1;
             } else {
@@ -134,7 +137,7 @@ fn teacher_forced_on(m: &mut DecodePipeline, what: &str) -> (usize, usize) {
                     p.margin(i)
                 );
                 assert!(
-                    p.margin(i) < NEAR_TIE,
+                    p.margin(i) < tie,
                     "{what}: {:?} pos {i}: top-1 {top1} != {want}, margin {}",
                     p.text,
                     p.margin(i)
@@ -144,14 +147,14 @@ fn teacher_forced_on(m: &mut DecodePipeline, what: &str) -> (usize, usize) {
         }
     }
     println!(
-        "{what}: top-1 agreement {agree}/{total}; max |logit - reference| of the reference top-1: {worst:.4}"
+        "{what}: top-1 agreement {agree}/{total} ({ties} reference margins below {tie}); max |logit - reference| of the reference top-1: {worst:.4}"
     );
-    (agree, total)
+    (agree, total, ties)
 }
 
 #[test]
 fn teacher_forced_native_matches_reference() {
-    let Some((agree, total)) = teacher_forced(WeightFormat::Native) else {
+    let Some((agree, total, _)) = teacher_forced(WeightFormat::Native, NEAR_TIE) else {
         return;
     };
     assert!(
@@ -161,16 +164,25 @@ fn teacher_forced_native_matches_reference() {
 }
 
 /// f16 rounds each weight by up to 2^-11 of its value, which moves the logits by up to ~0.005:
-/// a reference near tie closer than that (the public set has one, margin 0.0006) is a coin
-/// flip, so this path is held to every position with margin >= 0.1 and 98% overall.
+/// a reference near tie closer than that is a coin flip. So this path is held to every
+/// position with margin >= `F16_TIE` and to 98% of all positions. A reference set whose
+/// positions below `F16_TIE` are more than 2% of it (the 1.5B's) misses 98% whenever its coin
+/// flips go the other way, whatever the path; there the floor is every other position, which
+/// the first rule already holds.
 #[test]
 fn teacher_forced_f16_matches_reference() {
-    let Some((agree, total)) = teacher_forced(WeightFormat::F16) else {
+    let Some(counts) = teacher_forced(WeightFormat::F16, F16_TIE) else {
         return;
     };
+    assert_f16_floor(counts);
+}
+
+/// The f16 bar on `(agree, total, ties)`: 98% of all positions, or all but the ties.
+fn assert_f16_floor((agree, total, ties): (usize, usize, usize)) {
+    let floor = (total * 98).div_ceil(100).min(total - ties);
     assert!(
-        agree * 100 >= total * 98,
-        "top-1 agreement {agree}/{total} < 98%"
+        agree >= floor,
+        "top-1 agreement {agree}/{total} < {floor} (98%, or all but the {ties} margins below {F16_TIE})"
     );
 }
 
@@ -188,11 +200,7 @@ fn f16_gguf_teacher_forced_matches_reference() {
     let _ = std::fs::remove_file(&path);
     let g = g.unwrap();
     let mut m = DecodePipeline::load(dev, &g, 4096, WeightFormat::Native, &mut |_| {}).unwrap();
-    let (agree, total) = teacher_forced_on(&mut m, "F16 GGUF");
-    assert!(
-        agree * 100 >= total * 98,
-        "top-1 agreement {agree}/{total} < 98%"
-    );
+    assert_f16_floor(teacher_forced_on(&mut m, "F16 GGUF", F16_TIE));
 }
 
 /// Top-1 and top-2 ids of a row of logits, and their margin.
@@ -240,12 +248,21 @@ fn gpu_follows_cpu(
     m.reset();
     let greedy = SamplingParams::greedy();
     let (mut feed, mut out, mut ties) = (prompt.to_vec(), Vec::new(), 0);
+    let mut last_gpu = None;
     while out.len() < n {
         let (c, second, margin) = top2(&cpu.forward(&feed, false).unwrap());
-        let g = m
-            .next_token(&feed, &greedy, out.len() as u64, n - out.len() - 1)
-            .unwrap();
         let i = out.len();
+        // What the call ran, for its error: the GPU continues from its own token by a decode
+        // step, from another by a prefill of it.
+        let ran = match (i, last_gpu == Some(feed[0])) {
+            (0, _) => "the prompt's prefill",
+            (_, true) => "a decode step",
+            (_, false) => "a one-token prefill",
+        };
+        let g = m
+            .next_token(&feed, &greedy, i as u64, n - i - 1)
+            .unwrap_or_else(|e| panic!("{what}: token {i}, {ran}: {e}"));
+        last_gpu = Some(g);
         if margin < NEAR_TIE {
             ties += 1;
             assert!(

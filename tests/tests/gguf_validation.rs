@@ -560,18 +560,104 @@ fn wrong_tensor_shape_or_type() {
     );
 }
 
-// ---- The real default model ----
+// ---- The real model under test (`ORCD_MODEL`) ----
+
+/// What an independent reading of a known model file's header (and its model card) gives:
+/// the facts `real_model_header_and_config` checks, found by the file's size.
+struct FileFacts {
+    name: &'static str,
+    bytes: u64,
+    metadata: usize,
+    /// Tensors of each type; F32: 5 norms and biases per layer and output_norm.
+    types: &'static [(GgmlType, usize)],
+    /// Where the tensor data starts: the header's end, aligned to 32.
+    data_start: u64,
+    /// The data offset of output_norm.weight, the last tensor, which ends the file.
+    norm_offset: u64,
+    /// output.weight, the first tensor: its type and bytes.
+    output: (GgmlType, u64),
+    config: Config,
+}
+
+const KNOWN_FILES: [FileFacts; 2] = [
+    FileFacts {
+        name: "qwen2.5-coder-0.5b-instruct-q4_k_m",
+        bytes: 491_400_064,
+        metadata: 26,
+        types: &[
+            (GgmlType::F32, 24 * 5 + 1),
+            (GgmlType::Q5_0, 133),
+            (GgmlType::Q8_0, 13),
+            (GgmlType::Q4K, 12),
+            (GgmlType::Q6K, 12),
+        ],
+        // The header ends at byte 5,947,750.
+        data_start: 5_947_776,
+        norm_offset: 485_448_704,
+        // q8_0 rows of 896: 28 blocks of 34 bytes.
+        output: (GgmlType::Q8_0, 28 * 34 * 151_936),
+        config: Config {
+            n_layers: 24,
+            hidden: 896,
+            n_heads: 14,
+            n_kv_heads: 2,
+            head_dim: 64,
+            ffn: 4864,
+            vocab: 151_936,
+            ctx_len: 32_768,
+            rope_theta: 1e6,
+            rms_eps: 1e-6,
+            tied_output: false,
+        },
+    },
+    FileFacts {
+        name: "qwen2.5-coder-1.5b-instruct-q4_k_m",
+        bytes: 1_117_320_768,
+        metadata: 26,
+        types: &[
+            (GgmlType::F32, 28 * 5 + 1),
+            (GgmlType::Q4K, 169),
+            (GgmlType::Q6K, 29),
+        ],
+        // The header ends at byte 5,950,506.
+        data_start: 5_950_528,
+        norm_offset: 1_111_364_096,
+        // q6_K rows of 1536: 6 blocks of 210 bytes.
+        output: (GgmlType::Q6K, 6 * 210 * 151_936),
+        config: Config {
+            n_layers: 28,
+            hidden: 1536,
+            n_heads: 12,
+            n_kv_heads: 2,
+            head_dim: 128,
+            ffn: 8960,
+            vocab: 151_936,
+            ctx_len: 32_768,
+            rope_theta: 1e6,
+            rms_eps: 1e-6,
+            tied_output: false,
+        },
+    },
+];
 
 #[test]
 fn real_model_header_and_config() {
     let path = orcd_tests::model_path();
     let g = Gguf::open(&path).unwrap();
+    let Some(f) = KNOWN_FILES.iter().find(|f| f.bytes == g.file_size()) else {
+        let known: Vec<_> = KNOWN_FILES.iter().map(|f| (f.name, f.bytes)).collect();
+        panic!(
+            "{}: {} bytes is no known model file; known: {known:?}",
+            path.display(),
+            g.file_size()
+        );
+    };
+    println!("{}: the facts of {}", path.display(), f.name);
 
-    // Expected values from an independent reading of the file's header (and the model card).
     assert_eq!(g.version(), 3);
-    assert_eq!(g.file_size(), 491_400_064);
-    assert_eq!(g.metadata().len(), 26);
+    assert_eq!(g.metadata().len(), f.metadata);
     assert_eq!(g.metadata()[0].0, "general.architecture");
+    // Both models have Qwen2.5's tokenizer.
     assert_eq!(g.get_str("tokenizer.ggml.model").unwrap(), "gpt2");
     assert_eq!(
         g.get_str_array("tokenizer.ggml.tokens").unwrap().len(),
@@ -584,53 +670,35 @@ fn real_model_header_and_config() {
         Some(151_387)
     );
     assert_eq!(g.get_u64("tokenizer.ggml.eos_token_id").unwrap(), 151_645);
-    assert_eq!(g.tensors().len(), 291);
     let mut counts = HashMap::new();
     for t in g.tensors() {
         *counts.entry(t.ty).or_insert(0) += 1;
     }
-    use GgmlType::*;
-    // F32: 5 norms and biases per layer and output_norm.
+    assert_eq!(counts, HashMap::from_iter(f.types.iter().copied()));
     assert_eq!(
-        counts,
-        HashMap::from([
-            (F32, 24 * 5 + 1),
-            (Q5_0, 133),
-            (Q8_0, 13),
-            (Q4K, 12),
-            (Q6K, 12)
-        ])
+        g.tensors().len(),
+        f.types.iter().map(|t| t.1).sum::<usize>()
     );
 
-    // The header ends at byte 5,947,750, so data starts at 5,947,776. The last tensor,
-    // output_norm.weight (896 f32), lies at data offset 485,448,704 and ends the file.
+    let hidden = f.config.hidden as u64;
     let norm = g.tensor("output_norm.weight").unwrap();
     assert_eq!(
         (norm.offset, norm.bytes),
-        (5_947_776 + 485_448_704, 896 * 4)
+        (f.data_start + f.norm_offset, hidden * 4)
     );
-    assert_eq!(g.tensor_data(norm).len(), 3584);
-    // output.weight, q8_0 [896, 151936], comes first: 28 blocks of 34 bytes per row.
+    assert_eq!(
+        norm.offset + norm.bytes,
+        f.bytes,
+        "output_norm ends the file"
+    );
+    assert_eq!(g.tensor_data(norm).len() as u64, hidden * 4);
     let out = g.tensor("output.weight").unwrap();
     assert_eq!(
         (out.ty, out.offset, out.bytes),
-        (Q8_0, 5_947_776, 28 * 34 * 151_936)
+        (f.output.0, f.data_start, f.output.1)
     );
 
     let c = Config::from_gguf(&g).unwrap();
-    let expected = Config {
-        n_layers: 24,
-        hidden: 896,
-        n_heads: 14,
-        n_kv_heads: 2,
-        head_dim: 64,
-        ffn: 4864,
-        vocab: 151_936,
-        ctx_len: 32_768,
-        rope_theta: 1e6,
-        rms_eps: 1e-6,
-        tied_output: false,
-    };
-    assert_eq!(c, expected);
+    assert_eq!(c, f.config);
     c.check_tensors(&g).unwrap();
 }

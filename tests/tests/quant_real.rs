@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use half::f16;
 use half::slice::HalfFloatSliceExt;
+use orcd::config::Config;
 use orcd::gguf::{Gguf, TensorInfo};
 use orcd::quant::{GgmlType, dequantize, dequantize_f16};
 
@@ -89,11 +90,15 @@ fn every_tensor_dequantizes() {
             t.name
         );
     }
-    // 24 layers · (q 896·896 + 896, k and v 128·896 + 128 each, o 896·896, gate/up/down
-    // 3·896·4864, 2 norms of 896) + token_embd and output 151936·896 each + output_norm 896.
+    // Per layer: q and o, k and v with their biases, gate, up and down, 2 norms; then
+    // token_embd, output (unless tied) and output_norm.
+    let c = Config::from_gguf(&g).unwrap();
+    let (h, q, kv) = (c.hidden, c.n_heads * c.head_dim, c.kv_dim());
+    let layer = 2 * h * q + q + 2 * (h * kv + kv) + 3 * h * c.ffn + 2 * h;
+    let outputs = if c.tied_output { 1 } else { 2 };
     assert_eq!(
         elems,
-        24 * 14_912_384 + 2 * 136_134_656 + 896,
+        c.n_layers * layer + outputs * c.vocab * h + h,
         "weights in the model"
     );
     println!(
@@ -108,8 +113,9 @@ fn every_tensor_dequantizes() {
 #[test]
 fn f32_norm_round_trips() {
     let g = default_model();
+    let hidden = Config::from_gguf(&g).unwrap().hidden as u64;
     let t = g.tensor("blk.0.attn_norm.weight").unwrap();
-    assert_eq!((t.ty, t.shape.as_slice()), (GgmlType::F32, &[896u64][..]));
+    assert_eq!((t.ty, t.shape.as_slice()), (GgmlType::F32, &[hidden][..]));
     let data = g.tensor_data(t);
     let y = orcd::quant::dequantize_to_vec(t.ty, data).unwrap();
     let bytes: Vec<u8> = y.iter().flat_map(|x| x.to_le_bytes()).collect();

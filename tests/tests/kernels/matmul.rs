@@ -90,9 +90,12 @@ fn q_matmul<'a>(
             bias.map(|b| dev.upload(b).unwrap()),
         );
         let mut y = dev.zeros::<f32>(rows * n_out).unwrap();
+        // The shape in the message: which launch (GEMV or GEMM, and its split) failed.
+        let what = format!("matmul {} rows={rows} {n_out}x{n_in}", ty.name());
         dev.matmul(&mut y, &xd.slice(x_off..), &wd, bd.as_ref(), rows)
-            .unwrap();
-        dev.download(&y).unwrap()
+            .unwrap_or_else(|e| panic!("{what}: {e}"));
+        dev.download(&y)
+            .unwrap_or_else(|e| panic!("{what}, reading y back: {e}"))
     })
 }
 
@@ -327,10 +330,10 @@ fn matmul_q_one_hot_tokens_give_the_exact_weights() {
     }
 }
 
-/// Calls `f` on the first matrix of every distinct (type, shape) in the model's file
-/// (attn_q/k/output, ffn_gate/up and token_embd in q5_0, attn_v and output in q8_0, ffn_down in
-/// q4_K or q6_K by layer), one at a time: the tensor, `n_in`, `n_out`, its f32 weights, and its
-/// own bias (attn_q/k/v) or a random one. Returns the types seen.
+/// Calls `f` on the first matrix of every distinct (type, shape) in the model's file (the
+/// 0.5B's are q5_0, q8_0, q4_K and q6_K; the 1.5B's q4_K and q6_K), one at a time: the tensor,
+/// `n_in`, `n_out`, its f32 weights, and its own bias (attn_q/k/v) or a random one. Returns
+/// the types seen.
 pub(super) fn each_distinct_matrix(
     g: &Gguf,
     rng: &mut Rng,
@@ -376,12 +379,12 @@ fn matmul_q_on_real_weights() {
             assert!(err < MATMUL_TOL, "{what}: {err}");
         }
     });
-    assert!(
-        [GgmlType::Q5_0, GgmlType::Q8_0, GgmlType::Q4K, GgmlType::Q6K]
-            .iter()
-            .all(|ty| types.contains(ty)),
-        "the model's matrices are q5_0, q8_0, q4_K and q6_K: {types:?}"
-    );
+    // Every type among the model's matrices ran; `matmul_q_matches_cpu_on_random_blocks`
+    // covers the types a model may lack.
+    let mut names: Vec<_> = types.iter().map(|t| t.name()).collect();
+    names.sort();
+    println!("matmul_q on real weights: the model's matrix types {names:?}");
+    assert!(!types.is_empty(), "no matrix in the model");
 }
 
 #[test]
@@ -582,6 +585,8 @@ fn upload_matrix_f16_matches_dequantize_f16() {
             );
         }
     }
+    // The first matrix of each quantized type in the model's file; the random tables above
+    // cover the types it lacks.
     let g = Gguf::open(&orcd_tests::model_path()).unwrap();
     let mut seen = HashSet::new();
     for t in g.tensors() {
@@ -589,7 +594,7 @@ fn upload_matrix_f16_matches_dequantize_f16() {
             check(t.ty, g.tensor_data(t), t.shape[0] as usize, &t.name);
         }
     }
-    assert!(seen.len() >= 4, "the model's quantized types: {seen:?}");
+    assert!(!seen.is_empty(), "no quantized matrix in the model");
 }
 
 #[test]
