@@ -188,9 +188,18 @@ impl Device {
         let bias = bias.map(|b| DevPtr::of(b, s));
         // A null bias pointer: the kernels add nothing.
         let bias = bias.as_ref().map_or(DevPtr::null(), |(p, _)| *p);
-        if let (1, Some(split)) = (rows, gemv_split(n_in)) {
+        let gemv = match (rows, gemv_split(n_in)) {
+            (1, Some(split)) => {
+                let entry = entry_of(Gemv::entry(ty as u32), what)?;
+                // A unit wider than the kernel's registers allow a block (long rows of the
+                // hungriest types) goes to the GEMM.
+                let fits = 32 * split <= self.function(entry).max_threads_per_block()? as u32;
+                fits.then_some((entry, split))
+            }
+            _ => None,
+        };
+        if let Some((entry, split)) = gemv {
             // Units of 2 rows, `split` warps each; blocks stride over them.
-            let entry = entry_of(Gemv::entry(ty as u32), what)?;
             let g = self.geometry(n_out.div_ceil(2), split, 0)?;
             let cfg = self.strided_launch(entry, &g)?;
             let p = Gemv {
