@@ -359,7 +359,7 @@ impl CudaBatch {
         };
         self.lone = Some(Lone {
             first_block: r.blocks[0],
-            next: r.start + 1,
+            next: r.start + r.tokens.len(),
             from,
         });
         let token = self
