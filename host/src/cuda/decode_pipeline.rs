@@ -168,6 +168,7 @@ impl DecodePipeline {
         if tokens.is_empty() {
             return Err(Error::Invalid("next_token: no tokens to run".into()));
         }
+        let p = &graph_sampling(p);
         if !Device::can_sample(p) {
             let mut logits = self.forward(tokens, false)?;
             let recent = self.model.fed_tokens()?;
@@ -294,5 +295,19 @@ impl DecodePipeline {
         self.slots[slot].fetch(self.model.device().stream(), &tokens)?;
         self.launched.push_back((slot, steps));
         Ok(true)
+    }
+}
+
+/// The sampling that decode graphs are captured and run ahead for: a greedy pick draws
+/// nothing, so its seed and truncations are left out and every greedy request (each with its
+/// own seed, as a server gives them) replays the same graphs instead of capturing new ones.
+fn graph_sampling(p: &SamplingParams) -> SamplingParams {
+    if p.temperature != 0.0 {
+        return p.clone();
+    }
+    SamplingParams {
+        repeat_penalty: p.repeat_penalty,
+        repeat_last_n: p.repeat_last_n,
+        ..SamplingParams::greedy()
     }
 }
