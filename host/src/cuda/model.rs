@@ -609,23 +609,10 @@ impl CudaModel {
                 self.max_ctx
             )));
         }
-        let (dev, kv_dim) = (&self.dev, self.cfg.kv_dim());
-        for (w, kv) in self.layers.iter_mut().zip(kv) {
-            let (k, v) = (&mut w.k_cache, &mut w.v_cache);
-            dev.kv_copy_paged(
-                KvCopy::FromPaged,
-                k,
-                v,
-                kv,
-                table,
-                0,
-                n,
-                kv_dim,
-                block_tokens,
-            )?;
-        }
+        self.copy_paged(KvCopy::FromPaged, kv, table, 0, n, block_tokens)?;
         if n > 0 {
-            dev.copy_to(&mut self.buf.tokens.slice_mut(..n), history)?;
+            self.dev
+                .copy_to(&mut self.buf.tokens.slice_mut(..n), history)?;
         }
         self.pos = n;
         Ok(())
@@ -641,20 +628,24 @@ impl CudaModel {
         end: usize,
         block_tokens: usize,
     ) -> Result<()> {
-        let (dev, kv_dim, n) = (&self.dev, self.cfg.kv_dim(), end.saturating_sub(first));
+        let n = end.saturating_sub(first);
+        self.copy_paged(KvCopy::ToPaged, kv, table, first, n, block_tokens)
+    }
+
+    /// `kv_copy_paged` of positions `first..first + n` for every layer.
+    fn copy_paged(
+        &mut self,
+        dir: KvCopy,
+        kv: &mut [PagedKv],
+        table: &CudaSlice<u32>,
+        first: usize,
+        n: usize,
+        block_tokens: usize,
+    ) -> Result<()> {
+        let (dev, kv_dim) = (&self.dev, self.cfg.kv_dim());
         for (w, kv) in self.layers.iter_mut().zip(kv) {
             let (k, v) = (&mut w.k_cache, &mut w.v_cache);
-            dev.kv_copy_paged(
-                KvCopy::ToPaged,
-                k,
-                v,
-                kv,
-                table,
-                first,
-                n,
-                kv_dim,
-                block_tokens,
-            )?;
+            dev.kv_copy_paged(dir, k, v, kv, table, first, n, kv_dim, block_tokens)?;
         }
         Ok(())
     }
