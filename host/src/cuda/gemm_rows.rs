@@ -12,29 +12,28 @@ use crate::Result;
 /// and output groups per block.
 const WARP_OUTS: usize = kernel_abi::gemm_rows::WARP_OUTS as usize;
 const MAX_MT: usize = kernel_abi::gemm_rows::MAX_MT as usize;
-const MAX_SLICES: usize = 32;
+const MAX_SLICES: usize = 8;
 const MAX_GROUPS: usize = 4;
-/// Warps a row tile aims at (a wave of the H200's 132 SMs), and blocks where outputs are many.
-const AIM_WARPS: usize = 8192;
+/// Blocks per row tile that the output groups and K slices aim at: enough warps for the
+/// H200's 132 SMs where the outputs are few (a function of the shape alone).
+const AIM_WARPS: usize = 1056;
 const AIM_BLOCKS: usize = 264;
 
 /// `(ks, nw)` for a `[n_out, n_in]` matrix: K slices per block (each output's sum is theirs,
 /// added in order, so this depends on the shape alone: row independence) and 16-output groups
-/// per block. Wide matrices get 4 groups (which share their rows of x through L1); K is cut
-/// into as many slices as bring a row tile to about `AIM_WARPS` warps, at most `max_slices`,
-/// evened out so that no slice takes more chunks of 32 than it must: a warp's chunks run one
-/// after another, so few rows take as long as the longest slice.
-pub(super) fn gemm_rows_split(n_in: usize, n_out: usize, max_slices: usize) -> (u32, u32) {
+/// per block. Wide matrices get 4 groups (which share their rows of x through L1) and few
+/// slices; narrow ones a group and up to 8 slices of at least 4 chunks of 32, so that the
+/// grid has about `AIM_WARPS` warps a row tile.
+pub(super) fn gemm_rows_split(n_in: usize, n_out: usize) -> (u32, u32) {
     let nw = (n_out / (WARP_OUTS * AIM_BLOCKS)).clamp(1, MAX_GROUPS);
     // 1, 2 or 4.
     let nw = if nw == 3 { 2 } else { nw };
     let blocks = n_out.div_ceil(WARP_OUTS * nw);
-    let chunks = (n_in / 32).max(1);
-    let aim = AIM_WARPS
-        .div_ceil(blocks)
-        .clamp(1, max_slices.clamp(1, MAX_SLICES));
-    let per_slice = chunks.div_ceil(aim);
-    (chunks.div_ceil(per_slice) as u32, nw as u32)
+    let ks = (n_in / 32)
+        .div_ceil(4)
+        .min(AIM_WARPS.div_ceil(blocks))
+        .clamp(1, MAX_SLICES);
+    (ks as u32, nw as u32)
 }
 
 impl Device {
@@ -75,19 +74,17 @@ impl Device {
         let bias = bias.map(|b| DevPtr::of(b, s));
         // A null bias pointer: the kernel adds nothing.
         let bias = bias.as_ref().map_or(DevPtr::null(), |(p, _)| *p);
-        let entry = entry_of(GemmRows::entry(w.ty() as u32), "matmul_rows")?;
-        let f = self.function(entry);
-        // The slices of a block are as many warps as the kernel's registers allow: a bound of
-        // the build, the same for every call, so the split stays a function of the shape.
-        let most_warps = f.max_threads_per_block()? as usize / 32;
-        let (ks, nw) = gemm_rows_split(n_in, n_out, most_warps);
+        let (ks, nw) = gemm_rows_split(n_in, n_out);
         let mt = match rows.div_ceil(16) {
             1 => 1,
             2 => 2,
             _ => MAX_MT,
         };
-        // As many output groups as the registers allow.
-        let fit = (most_warps as u32 / ks).max(1);
+        let entry = entry_of(GemmRows::entry(w.ty() as u32), "matmul_rows")?;
+        let f = self.function(entry);
+        // As many output groups as the kernel's registers allow (ks·32 threads always fit:
+        // ks <= 8 and at most 255 registers a thread).
+        let fit = (f.max_threads_per_block()? as u32 / (32 * ks)).max(1);
         let nw = nw.min(fit);
         let shared = 4 * ks * nw * mt as u32 * PER_TILE;
         allow_shared(f, shared)?;
@@ -121,16 +118,14 @@ impl Device {
 mod tests {
     use super::gemm_rows_split;
 
-    /// The model's shapes: narrow outputs get K slices, the vocabulary output groups; no
-    /// slice takes more chunks than it must, and the kernel's warp limit holds.
+    /// The model's shapes: narrow outputs get K slices, the vocabulary output groups.
     #[test]
     fn split_by_shape() {
-        assert_eq!(gemm_rows_split(896, 896, 32), (28, 1));
-        assert_eq!(gemm_rows_split(896, 128, 32), (28, 1));
-        assert_eq!(gemm_rows_split(896, 4864, 32), (14, 1));
-        assert_eq!(gemm_rows_split(4864, 896, 32), (31, 1));
-        assert_eq!(gemm_rows_split(896, 151936, 32), (4, 4));
-        assert_eq!(gemm_rows_split(4864, 896, 16), (16, 1));
-        assert_eq!(gemm_rows_split(32, 1, 32), (1, 1));
+        assert_eq!(gemm_rows_split(896, 896), (7, 1));
+        assert_eq!(gemm_rows_split(896, 128), (7, 1));
+        assert_eq!(gemm_rows_split(896, 4864), (4, 1));
+        assert_eq!(gemm_rows_split(4864, 896), (8, 1));
+        assert_eq!(gemm_rows_split(896, 151936), (1, 4));
+        assert_eq!(gemm_rows_split(32, 1), (1, 1));
     }
 }
