@@ -133,9 +133,18 @@ impl Metrics {
         self.outcomes[i].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// The text format: the engine's gauges (while it runs), then the counters and histograms.
-    pub fn render(&self, engine: Option<&EngineStatus>) -> String {
+    /// The text format: the engine's gauges (while it runs) and the GPU memory in use (on a
+    /// GPU), then the counters and histograms.
+    pub fn render(&self, engine: Option<&EngineStatus>, gpu_memory: Option<u64>) -> String {
         let mut out = String::new();
+        if let Some(bytes) = gpu_memory {
+            gauge(
+                &mut out,
+                "orcd_gpu_memory_used_bytes",
+                "GPU memory in use, as the driver counts it (total less free).",
+                bytes as f64,
+            );
+        }
         if let Some(s) = engine {
             let gauges = [
                 (
@@ -258,7 +267,7 @@ mod tests {
         m.ttft.observe(Duration::from_millis(3));
         m.ttft.observe(Duration::from_millis(3));
         m.ttft.observe(Duration::from_secs(100));
-        let text = m.render(None);
+        let text = m.render(None, None);
         for line in [
             "orcd_time_to_first_token_seconds_bucket{le=\"0.001\"} 0",
             "orcd_time_to_first_token_seconds_bucket{le=\"0.005\"} 2",
@@ -287,7 +296,7 @@ mod tests {
             steps: 9,
             preemptions: 3,
         };
-        let text = m.render(Some(&status));
+        let text = m.render(Some(&status), Some(3 << 30));
         for line in [
             "orcd_prompt_tokens_total 7",
             "orcd_generation_tokens_total 1",
@@ -299,6 +308,7 @@ mod tests {
             "orcd_kv_usage_ratio 0.25",
             "orcd_engine_steps_total 9",
             "orcd_preemptions_total 3",
+            "orcd_gpu_memory_used_bytes 3221225472",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} not in\n{text}");
         }

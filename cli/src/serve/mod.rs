@@ -343,9 +343,10 @@ async fn method_not_allowed(req: Request) -> ApiError {
 
 async fn metrics_page(State(s): State<Arc<Server>>) -> Response {
     let status = s.ready.get().map(|r| r.engine.status());
+    let gpu_memory = s.ready.get().and_then(|r| r.engine.device_memory_used());
     (
         [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
-        s.metrics.render(status.as_ref()),
+        s.metrics.render(status.as_ref(), gpu_memory),
     )
         .into_response()
 }
