@@ -257,6 +257,13 @@ fn parse(api: Api, f: &Fields) -> Result<Parsed, FieldError> {
             ));
         }
     };
+    // As OpenAI and vLLM: stream options without a stream are a client's mistake.
+    if !stream && matches!(f.get("stream_options"), Some(Value::Object(_))) {
+        return Err(FieldError::new(
+            "stream_options",
+            "`stream_options` is only allowed with `stream: true`".into(),
+        ));
+    }
     Ok(Parsed {
         prompt,
         max_tokens: max_tokens.map(|n| n as usize),
@@ -859,6 +866,10 @@ mod tests {
             (r#""top_logprobs": 2"#, "top_logprobs"),
             (r#""stream": "yes""#, "stream"),
             (r#""stream_options": 1"#, "stream_options"),
+            (
+                r#""stream_options": {"include_usage": true}"#,
+                "stream_options",
+            ),
             (r#""presence_penalty": 3"#, "presence_penalty"),
             (r#""repetition_penalty": 0"#, "repetition_penalty"),
             (r#""stop": [1]"#, "stop"),
