@@ -47,7 +47,7 @@ use crate::params::{
     ArgmaxBounded, AttnOutput, AttnQkv, FfnGateUp, GemvResidual, LogitBounds, Logits,
 };
 use crate::quant::{DIGIT_RADIUS, Packed, Q8_0, RADIUS, TopChunk, id, prmt};
-use crate::sampling::end_step;
+use crate::sampling::{best_key, end_step};
 use crate::util::{
     WARP, allow_next_grid, ballot, better, block, block_dim, block_sum, count_last, exp, fma,
     from_lane, grid_dim, load_early, load_streaming, prefetch_l2, shared, sync_threads, thread,
@@ -432,18 +432,6 @@ pub(crate) unsafe fn logits<const F: u32>(p: Logits) {
         let (bv, bi) = best_here.get();
         grid_argmax(bv, bi, best, scratch, (tokens, n_tokens, pos, step));
     }
-}
-
-/// A u64 ordered as `better` orders (value, index) pairs: larger values first (-0 equal to
-/// +0), then smaller indices; NaN gives 0, below every other key.
-#[inline(always)]
-fn best_key(v: f32, i: u32) -> u64 {
-    if v.is_nan() {
-        return 0;
-    }
-    let b = (v + 0.0).to_bits();
-    let ord = if b >> 31 == 1 { !b } else { b | 0x8000_0000 };
-    (ord as u64) << 32 | !i as u64
 }
 
 /// `logits`' arg-max over the grid from each thread's best `(v, i)` (`i == u32::MAX`: none),

@@ -17,7 +17,7 @@
 //! are few: each block takes a slice and the last one to finish writes the token.
 use core::sync::atomic::{AtomicU64, Ordering::Relaxed};
 
-use crate::sampling::{block_best, gather, key, kth_key, uniform};
+use crate::sampling::{best_key, block_best, gather, key, kth_key, uniform};
 use crate::util::{
     WARP, better, block, block_dim, block_sum, count_last, exp, load_early, shared, sync_threads,
     thread, warp_sum,
@@ -302,13 +302,6 @@ fn block_sums(count: [f32; PROBES], weight: [f32; PROBES]) -> [(f32, f32); PROBE
     // Keep the slots until every warp has read them, so the block can sum again.
     sync_threads();
     sums
-}
-
-/// A u64 ordered as `better` orders (value, index) pairs: larger values first (-0 equal to
-/// +0), then smaller indices. Not for NaN, which `better` never picks.
-#[inline(always)]
-fn best_key(v: f32, i: u32) -> u64 {
-    (key(v) as u64) << 32 | !i as u64
 }
 
 /// Per row `r` (the grid's x) of `logits = [rows, n]`: the penalties `pen_*[first..first +

@@ -381,6 +381,16 @@ pub(crate) fn key(v: f32) -> u32 {
     if b >> 31 == 1 { !b } else { b | 0x8000_0000 }
 }
 
+/// A u64 ordered as `better` orders (value, index) pairs: larger values first (-0 equal to
+/// +0), then smaller indices; NaN gives 0, below every other key.
+#[inline(always)]
+pub(crate) fn best_key(v: f32, i: u32) -> u64 {
+    if v.is_nan() {
+        return 0;
+    }
+    (key(v) as u64) << 32 | !i as u64
+}
+
 /// Which of `value(0..len)` are their top `k` (by `better`, position breaking ties), by radix
 /// select over the keys, 11 + 11 + 10 bits: `(prefix, mask, need)` such that the top k are the
 /// valid values whose `key & mask` is above `prefix`, then the first `need` by position whose
