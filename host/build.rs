@@ -1,6 +1,6 @@
 //! Compiles `gpu-kernels/` to PTX with rustc's NVPTX backend, once for sm_80 and once for
-//! sm_90, and hands the paths to the library (`include_str!(env!("ORCD_PTX"))`,
-//! `ORCD_PTX_SM90`). Needs no GPU and no CUDA: only the pinned nightly with `rust-src` (for
+//! sm_90, and hands the paths of their deflated text to the library
+//! (`include_bytes!(env!("ORCD_PTX"))`, `ORCD_PTX_SM90`). Needs no GPU and no CUDA: only the pinned nightly with `rust-src` (for
 //! `-Zbuild-std=core`).
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -37,8 +37,10 @@ fn main() {
         let ptx = dir.join("nvptx64-nvidia-cuda/release/deps/gpu_kernels.s");
         let text = std::fs::read_to_string(&ptx)
             .unwrap_or_else(|e| panic!("build.rs: no PTX at {}: {e}", ptx.display()));
-        let out = out_dir.join(format!("orcd-{cpu}.ptx"));
-        std::fs::write(&out, text)
+        let out = out_dir.join(format!("orcd-{cpu}.ptx.deflate"));
+        let mut z = flate2::write::DeflateEncoder::new(Vec::new(), flate2::Compression::best());
+        std::io::Write::write_all(&mut z, text.as_bytes()).unwrap();
+        std::fs::write(&out, z.finish().unwrap())
             .unwrap_or_else(|e| panic!("build.rs: writing {}: {e}", out.display()));
         println!("cargo:rustc-env={var}={}", out.display());
     }

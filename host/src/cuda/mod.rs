@@ -125,7 +125,11 @@ impl Device {
         // into CUDA graphs.
         let stream = ctx.new_stream()?;
         let overlap = !sm80 && ctx.compute_capability()?.0 >= 9;
-        let ptx = if overlap { crate::PTX_SM90 } else { crate::PTX };
+        let ptx = if overlap {
+            crate::ptx_sm90()
+        } else {
+            crate::ptx()
+        };
         let module = ctx
             .load_module(cudarc::nvrtc::Ptx::from_src(ptx))
             .map_err(|e| Error::Cuda(format!("loading the PTX failed: {e}")))?;
@@ -347,8 +351,8 @@ mod tests {
     fn no_kernel_uses_local_memory() {
         let frame = ".visible .entry slow(\n)\n{\n\t.local .align 8 .b8 \t__local_depot0[80];\n}\n";
         assert_eq!(kernels_with_local_memory(frame), ["slow"]);
-        for (build, ptx) in [("sm_80", crate::PTX), ("sm_90", crate::PTX_SM90)] {
-            let found = kernels_with_local_memory(ptx);
+        for (build, ptx) in [("sm_80", crate::ptx()), ("sm_90", crate::ptx_sm90())] {
+            let found = kernels_with_local_memory(&ptx);
             assert!(
                 found.is_empty(),
                 "{build} kernels with local memory: {found:?}"
@@ -363,7 +367,7 @@ mod tests {
     fn every_kernel_is_declared_and_in_the_ptx() {
         let mut declared = super::kernels::ENTRIES.to_vec();
         declared.sort_unstable();
-        for (build, ptx) in [("sm_80", crate::PTX), ("sm_90", crate::PTX_SM90)] {
+        for (build, ptx) in [("sm_80", crate::ptx()), ("sm_90", crate::ptx_sm90())] {
             let mut entries: Vec<&str> = ptx.lines().filter_map(entry_name).collect();
             entries.sort_unstable();
             assert_eq!(
@@ -389,9 +393,9 @@ mod tests {
         }
         let dir = std::env::temp_dir().join(format!("orcd-ptxas-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        for (arch, ptx) in [("sm_80", crate::PTX), ("sm_90", crate::PTX_SM90)] {
+        for (arch, ptx) in [("sm_80", crate::ptx()), ("sm_90", crate::ptx_sm90())] {
             let src = dir.join(format!("{arch}.ptx"));
-            std::fs::write(&src, ptx).unwrap();
+            std::fs::write(&src, &ptx).unwrap();
             let out = Command::new(&ptxas)
                 .arg(format!("-arch={arch}"))
                 .arg(&src)
