@@ -1,27 +1,32 @@
 //! The batched pass's product `y[t, o] = sum_i x[t, i]·w[o, i] (+ bias[o])` for 1 to 512 rows
-//! (`gemm_rows_<type>`), over the weight formats of `matmul.rs` ([`Weights`]), fast where rows
-//! are few and outputs narrow, and row-independent: each output row's bits depend only on its
-//! own row of `x`, never on how many rows the call has or what they hold. CPU twin:
-//! `orcd::cpu::matmul` on the dequantized weights.
+//! (`gemm_rows_<type>`), over the weight formats of `matmul.rs` ([`Weights`]), and
+//! row-independent: each output row's bits depend only on its own row of `x`, never on how
+//! many rows the call has or what they hold. CPU twin: `orcd::cpu::matmul` on the dequantized
+//! weights.
 //!
-//! Tensor cores (`mma.sync` m16n8k16, f16 products exact, f32 sums) at f32 precision as in
-//! `matmul::gemm_mma`: every operand split into f16 halves `hi + lo / LO_SCALE`, the sums
-//! `hi_x·hi_w` and `lo_x·hi_w + hi_x·lo_w` in separate accumulators (no `lo` of f16 weights).
-//! No shared-memory staging: each lane loads its own operands straight into its fragments.
-//! Within a chunk of 32 weights, lane `(g, c)` (`g = lane / 4`, `c = lane % 4`) takes the 8
-//! consecutive weights `8c..8c + 8` of its output rows (`Weights::load8`, exactly
-//! `quant::dequantize`'s values) and the same 8 elements of its rows of `x` (two 16-byte
-//! loads). A product's k order is free, so the chunk's two k16 steps `s` map the fragments'
-//! logical k `2c + e` to physical `8c + 4s + e` and `2c + 8 + e` to `8c + 4s + 2 + e`, for
-//! `a` and `b` alike.
+//! Tensor cores (`mma.sync` m16n8k16, f16 products exact, f32 sums) on `x` and the weights
+//! rounded to f16 (weights as the f16 weight path holds them; exact for f16 weights): each
+//! product within ~2^-10 of |x·w|.
 //!
-//! Work: a warp owns `NT`·8 = 16 outputs of `mt` (1 to `MT`) m16 tiles of rows, and one of
-//! `ks` slices of K: chunks `kw, kw + ks, ...` (`kw` its slice). A block is `ks·nw` warps: `nw`
-//! neighbouring 16-output groups (sharing their rows of `x` through L1) times the `ks` slices,
-//! which meet in shared memory and are added in the fixed order 0, 1, .., ks - 1. Block `b`
-//! takes rows `16·mt·(b % row_tiles)..` and outputs `16·nw·(b / row_tiles)..`.
+//! Work: a block is `nw` warps, warp `v` owning 16 outputs (`NT` n8 tiles), all of them the
+//! same `mt` m16 tiles of rows (1 to `MT`) and the same part of K: K's chunks of 32 are cut
+//! into `kb` parts, part `p` the chunks `chunks·p / kb..chunks·(p + 1) / kb`. Block `b` takes
+//! row tile `b % row_tiles`, part `b / row_tiles % kb` and output block `b / row_tiles / kb`.
+//! Its rows of `x` come chunk by chunk into a ring of `STAGES` slots in shared memory by
+//! `cp.async`, so the copy of the next chunks overlaps the products of this one, and every
+//! warp reads its fragments there. Each lane loads its own weights straight into its
+//! fragments, two chunks ahead, decoded when multiplied: within a chunk, lane
+//! `(g, c)` (`g = lane / 4`, `c = lane % 4`) takes the 8 consecutive weights `8c..8c + 8` of
+//! its output rows (`Weights::load8`, exactly `quant::dequantize`'s values) and the same 8
+//! elements of its rows of `x`. A product's k order is free, so the chunk's two k16 steps `s`
+//! map the fragments' logical k `2c + e` to physical `8c + 4s + e` and `2c + 8 + e` to
+//! `8c + 4s + 2 + e`, for `a` and `b` alike.
 //!
-//! Row independence: `ks` is chosen by the host from the matrix's shape alone, a row always
+//! With `kb > 1` the parts meet through global memory: each block writes its sums to its
+//! part's rows of `part`, and the block that counts last for the tile (`count_last`) adds the
+//! parts in the order 0, 1, .., kb - 1.
+//!
+//! Row independence: `kb` is chosen by the host from the matrix's shape alone, a row always
 //! sits at the same place `t % 16` of an m16 tile (tiles start at multiples of 16), the mma
 //! computes each output from its own row and column, and the sums run in the same order
 //! whatever `mt` and `rows`. An output that is not finite (an operand beyond f16's range,
@@ -30,16 +35,19 @@
 use crate::matmul::{Format, GgmlType, Weights};
 use crate::params::GemmRows;
 use crate::util::{
-    F32x4, LO_SCALE, WARP, allow_next_grid, block, block_dim, fma, mma, shared, split,
+    F32x4, WARP, allow_next_grid, block, block_dim, count_last, cp_async_commit, cp_async_wait,
+    cp_async16, f16x2, fence_gpu, fma, grid_dim, load_l2x4, load_shared4, mma, shared, shared_addr,
     sync_threads, thread, wait_prior_grids,
 };
 
-use kernel_abi::gemm_rows::{PER_TILE, WARP_OUTS};
+use kernel_abi::gemm_rows::{ROW_FLOATS, STAGES, WARP_OUTS};
 
 /// n8 output tiles per warp.
 const NT: usize = kernel_abi::gemm_rows::NT as usize;
-/// The most m16 row tiles per warp (`mt`).
+/// The most m16 row tiles per block (`mt`).
 const MT: usize = kernel_abi::gemm_rows::MAX_MT as usize;
+/// The most parts of K.
+const MAX_PARTS: usize = kernel_abi::gemm_rows::MAX_PARTS as usize;
 
 /// `bias[i]`, or 0 for a null bias.
 #[inline(always)]
@@ -59,151 +67,250 @@ unsafe fn load_x8(x: *const f32, at: usize) -> [f32; 8] {
     [a[0], a[1], a[2], a[3], b[0], b[1], b[2], b[3]]
 }
 
-/// The kernel body (see the module doc). `n_in % 32 == 0`, `x` 16-byte aligned, `w.vector()`,
-/// `mt` 1, 2 or `MT` (4), `ks >= 1` and `blockDim` a multiple of `32·ks`. Shared:
-/// `ks·nw·mt·PER_TILE` f32 (`nw = blockDim / 32 / ks`).
-#[allow(clippy::too_many_arguments, clippy::needless_range_loop)]
-#[inline(always)]
-unsafe fn gemm_rows_of<W: Weights>(
-    y: *mut f32,
+/// Output `(r, col)` in f32 FMAs in k order, over the `[n_out, n_in]` matrix at `w`: for sums
+/// the tensor cores could not hold. A call, not inlined: rare, and kept out of the registers.
+#[inline(never)]
+unsafe fn redo<W: Weights>(
     x: *const f32,
-    w: W,
-    bias: *const f32,
-    rows: u32,
-    n_in: u32,
+    w: *const u8,
     n_out: u32,
-    ks: u32,
-    mt: u32,
-) {
+    n_in: u32,
+    r: usize,
+    col: usize,
+) -> f32 {
+    let w = W::new(w, n_out, n_in);
+    let mut s = 0.0;
+    let mut k = 0;
+    while k < n_in {
+        let wv = unsafe { w.load8::<true>(col, k) };
+        let xv = unsafe { load_x8(x, r * n_in as usize + k as usize) };
+        for i in 0..8 {
+            s = fma(xv[i], wv[i], s);
+        }
+        k += 8;
+    }
+    s
+}
+
+/// The kernel body (see the module doc). `n_in % 32 == 0`, `x` 16-byte aligned, `w.vector()`,
+/// `mt` 1, 2, 4 or `MT` (8), `1 <= kb <= n_in / 32`. Shared: `shared_bytes(mt)`.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn gemm_rows_of<W: Weights>(p: GemmRows, w: W) {
+    let GemmRows {
+        y,
+        x,
+        w: w_ptr,
+        bias,
+        part,
+        counts,
+        rows,
+        n_in,
+        n_out,
+        kb,
+        mt,
+    } = p;
     // `x` is what the kernel before wrote: nothing is read before the wait.
     wait_prior_grids();
     allow_next_grid();
     let (lane, warp) = (thread() % WARP, thread() / WARP);
-    let nw = block_dim() / WARP / ks;
-    let (kw, group) = (warp % ks, warp / ks);
+    let nw = block_dim() / WARP;
     let row_tiles = rows.div_ceil(16 * mt);
     let b = block();
-    let row0 = b % row_tiles * 16 * mt;
-    let col_block = b / row_tiles * nw * WARP_OUTS;
-    let col0 = col_block + group * WARP_OUTS;
+    let (rt, kp, cb) = (b % row_tiles, b / row_tiles % kb, b / row_tiles / kb);
+    let row0 = rt * 16 * mt;
+    let col0 = (cb * nw + warp) * WARP_OUTS;
     let (g, c) = (lane / 4, lane % 4);
     let chunks = n_in / 32;
-    // This lane's weight rows (n8 tile `j`: output `col0 + 8j + g`) and rows of x (m16 tile
-    // `m`: `row0 + 16m + g`, `+ 8`); past the ends the last one again, computed and not written.
+    let first = chunks * kp / kb;
+    let n = chunks * (kp + 1) / kb - first;
+
+    // Slot `i % STAGES` of the ring holds chunk `first + i`: row `r` of the tile at floats
+    // `r·ROW_FLOATS..`, zeros for rows past `rows`; thread `t` copies its float4s `t`,
+    // `t + blockDim`, ...
+    let ring = shared_addr(shared::<f32>());
+    let slot_bytes = 4 * 16 * mt * ROW_FLOATS;
+    let quad_at =
+        |i: u32, q: u32| ring + (i % STAGES) * slot_bytes + 4 * (q / 8 * ROW_FLOATS + 4 * (q % 8));
+    // This thread's float4 `f` of rows `r, r + blockDim / 8, ...` of the tile.
+    let (r_first, f, r_step) = (thread() / 8, thread() % 8, block_dim() / 8);
+    let issue = |i: u32| {
+        if i < n {
+            let k = 32 * (first + i) + 4 * f;
+            let mut r = r_first;
+            while r < 16 * mt {
+                let row = row0 + r;
+                let zero = row >= rows;
+                let src = if zero {
+                    x
+                } else {
+                    unsafe { x.add((row * n_in + k) as usize) }
+                };
+                unsafe { cp_async16(quad_at(i, 8 * r + f), src, zero) };
+                r += r_step;
+            }
+        }
+        cp_async_commit();
+    };
+    // This lane's weight rows (n8 tile `j`: output `col0 + 8j + g`), past the end the last one
+    // again, computed and not written.
     let w_row: [usize; NT] =
         core::array::from_fn(|j| (col0 + 8 * j as u32 + g).min(n_out - 1) as usize);
-    let x_row = |m: usize, h: u32| ((row0 + 16 * m as u32 + g + 8 * h).min(rows - 1)) as usize;
-    let load_w = |ch: u32| -> [[f32; 8]; NT] {
-        core::array::from_fn(|j| unsafe { w.load8::<true>(w_row[j], 32 * ch + 8 * c) })
+    // Loaded two chunks ahead and decoded when multiplied, so that the loads stay in flight.
+    let load_w = |ch: u32| -> [W::Raw8; NT] {
+        core::array::from_fn(|j| unsafe { w.raw8::<true>(w_row[j], 32 * ch + 8 * c) })
     };
-    let mut main = [[[0.0f32; 4]; NT]; MT];
-    let mut cross = [[[0.0f32; 4]; NT]; MT];
-    let mut ch = kw;
-    if ch < chunks {
-        let mut wv = load_w(ch);
-        loop {
-            let next = ch + ks;
-            // The next chunk's weights in flight while this one is multiplied (the last
-            // iteration loads its own chunk again, harmlessly).
-            let wn = load_w(next.min(chunks - 1));
-            let ws: [([u32; 4], [u32; 4]); NT] = core::array::from_fn(|j| split::<8, 4>(&wv[j]));
-            let k = (32 * ch + 8 * c) as usize;
-            // M16 tile `m` with its accumulators: called with constant indices below, as a
-            // loop over `m` would leave the accumulators in local memory.
-            let tile = |m: usize, main: &mut [[f32; 4]; NT], cross: &mut [[f32; 4]; NT]| {
-                let xv = [0, 1].map(|h| unsafe { load_x8(x, x_row(m, h) * n_in as usize + k) });
-                for s in 0..2 {
-                    let q = 4 * s;
-                    let a = [
-                        xv[0][q],
-                        xv[0][q + 1],
-                        xv[1][q],
-                        xv[1][q + 1],
-                        xv[0][q + 2],
-                        xv[0][q + 3],
-                        xv[1][q + 2],
-                        xv[1][q + 3],
-                    ];
-                    let (a_hi, a_lo) = split::<8, 4>(&a);
-                    for j in 0..NT {
-                        let (w_hi, w_lo) = ws[j];
-                        let b_hi = [w_hi[2 * s], w_hi[2 * s + 1]];
-                        mma(&mut main[j], a_hi, b_hi);
-                        mma(&mut cross[j], a_lo, b_hi);
-                        if !W::F16 {
-                            mma(&mut cross[j], a_hi, [w_lo[2 * s], w_lo[2 * s + 1]]);
-                        }
-                    }
+    let mut acc = [[[0.0f32; 4]; NT]; MT];
+    issue(0);
+    issue(1);
+    // Chunk i's weights in `wv`, chunk i + 1's in `wv1`.
+    let mut wv = load_w(first);
+    let mut wv1 = load_w(first + 1.min(n - 1));
+    for i in 0..n {
+        // Chunk i has landed (only the newest group, chunk i + 1, may be in flight); once all
+        // threads are here, the slot of chunk i - 1 is free for chunk i + 2.
+        cp_async_wait::<1>();
+        sync_threads();
+        issue(i + 2);
+        // Chunk i + 2's weights in flight while this one is multiplied (the last iterations load
+        // the last chunk again, harmlessly).
+        let wn = load_w(first + (i + 2).min(n - 1));
+        let wh: [[u32; 4]; NT] = core::array::from_fn(|j| {
+            let wv = W::decode8(wv[j], 8 * c);
+            core::array::from_fn(|h| f16x2(wv[2 * h], wv[2 * h + 1]))
+        });
+        // M16 tile `m` with its accumulators: called with constant indices below, as a loop
+        // over `m` would leave the accumulators in local memory.
+        let tile = |m: usize, acc: &mut [[f32; 4]; NT]| {
+            // Rows `16m + g` (v[0]) and `+ 8` (v[1]), floats `8c + 4s..8c + 4s + 4` (v[h][s]).
+            let r = 16 * m as u32 + g;
+            let v: [[[f32; 4]; 2]; 2] = core::array::from_fn(|h| {
+                core::array::from_fn(|s| {
+                    let q = (r + 8 * h as u32) * 8 + 2 * c + s as u32;
+                    load_shared4(quad_at(i, q)).map(f32::from_bits)
+                })
+            });
+            for s in 0..2 {
+                let (r0, r1) = (v[0][s], v[1][s]);
+                let a = [
+                    f16x2(r0[0], r0[1]),
+                    f16x2(r1[0], r1[1]),
+                    f16x2(r0[2], r0[3]),
+                    f16x2(r1[2], r1[3]),
+                ];
+                for j in 0..NT {
+                    mma(&mut acc[j], a, [wh[j][2 * s], wh[j][2 * s + 1]]);
                 }
-            };
-            let ([m0, m1, m2, m3], [c0, c1, c2, c3]) = (&mut main, &mut cross);
-            tile(0, m0, c0);
-            if mt > 1 {
-                tile(1, m1, c1);
             }
-            if mt > 2 {
-                tile(2, m2, c2);
-                tile(3, m3, c3);
-            }
-            if next >= chunks {
-                break;
-            }
-            (wv, ch) = (wn, next);
+        };
+        let [m0, m1, m2, m3, m4, m5, m6, m7] = &mut acc;
+        tile(0, m0);
+        if mt > 1 {
+            tile(1, m1);
         }
+        if mt > 2 {
+            tile(2, m2);
+            tile(3, m3);
+        }
+        if mt > 4 {
+            tile(4, m4);
+            tile(5, m5);
+            tile(6, m6);
+            tile(7, m7);
+        }
+        (wv, wv1) = (wv1, wn);
     }
-    // The slices meet: warp (kw, group)'s partial of m16 tile m, n8 tile j, element e of lane
-    // l at `((kw·nw + group)·mt + m)·PER_TILE + (4j + e)·32 + l`.
-    let part = shared::<f32>();
-    let slice = nw * mt * PER_TILE;
-    let put = |m: usize, main: &[[f32; 4]; NT], cross: &[[f32; 4]; NT]| {
+
+    // Element e of n8 tile j of m16 tile m: row `row0 + 16m + g + 8(e / 2)`, output
+    // `col0 + 8j + 2c + e % 2`; its sum over this block's part.
+    let at = |m: usize, j: usize, e: usize| {
+        (
+            row0 + 16 * m as u32 + g + 8 * (e as u32 / 2),
+            col0 + 8 * j as u32 + 2 * c + e as u32 % 2,
+        )
+    };
+    let put = |r: u32, col: u32, mut s: f32| {
+        let (r, col) = (r as usize, col as usize);
+        if !s.is_finite() {
+            s = unsafe { redo::<W>(x, w_ptr, n_out, n_in, r, col) };
+        }
+        unsafe { *y.add(r * n_out as usize + col) = s + bias_at(bias, col) };
+    };
+    // With `kb > 1`, part `q`'s sums of this tile lie in `part` from `part_at(q)`, row `r` of
+    // the tile (`16·mt` rows) at `r·16·nw` and the block's output `o` at `o`.
+    let tile_floats = 16 * mt * WARP_OUTS * nw;
+    let tiles = grid_dim() / kb;
+    let part_at = |q: u32| ((q * tiles + cb * row_tiles + rt) * tile_floats) as usize;
+    // M16 tile `m`'s sums over this block's part: written, or with `kb > 1` left in `part`.
+    // Called with constant indices, as the products above.
+    let own = |m: usize, acc: &[[f32; 4]; NT]| {
         for j in 0..NT {
             for e in 0..4 {
-                let v = fma(cross[j][e], 1.0 / LO_SCALE, main[j][e]);
-                let at = ((kw * nw + group) * mt + m as u32) * PER_TILE
-                    + (4 * j as u32 + e as u32) * WARP
-                    + lane;
-                unsafe { *part.add(at as usize) = v };
+                let s = acc[j][e];
+                let (r, col) = at(m, j, e);
+                if kb > 1 {
+                    let local = (r - row0) * WARP_OUTS * nw + col - cb * nw * WARP_OUTS;
+                    unsafe { *part.add(part_at(kp) + local as usize) = s };
+                } else if r < rows && col < n_out {
+                    put(r, col, s);
+                }
             }
         }
     };
-    put(0, &main[0], &cross[0]);
+    let [m0, m1, m2, m3, m4, m5, m6, m7] = &acc;
+    own(0, m0);
     if mt > 1 {
-        put(1, &main[1], &cross[1]);
+        own(1, m1);
     }
     if mt > 2 {
-        put(2, &main[2], &cross[2]);
-        put(3, &main[3], &cross[3]);
+        own(2, m2);
+        own(3, m3);
+    }
+    if mt > 4 {
+        own(4, m4);
+        own(5, m5);
+        own(6, m6);
+        own(7, m7);
+    }
+    if kb == 1 {
+        return;
+    }
+    // The tile's last block adds the parts in order: each thread four outputs at a time, the
+    // parts' loads all in flight before the sums.
+    fence_gpu();
+    sync_threads();
+    let last = unsafe { shared::<u8>().add((STAGES * slot_bytes) as usize) } as *mut u32;
+    if thread() == 0 {
+        let count = unsafe { counts.add((cb * row_tiles + rt) as usize) };
+        unsafe { *last = count_last(count, kb) as u32 };
     }
     sync_threads();
-    let mut q = thread();
-    while q < slice {
-        let mut s = unsafe { *part.add(q as usize) };
-        for p in 1..ks {
-            s += unsafe { *part.add((p * slice + q) as usize) };
-        }
-        let (l, je) = (q % WARP, q / WARP % (4 * NT as u32));
-        let (m, group) = (q / PER_TILE % mt, q / PER_TILE / mt);
-        let (j, e) = (je / 4, je % 4);
-        let r = row0 + 16 * m + l / 4 + 8 * (e / 2);
-        let col = col_block + group * WARP_OUTS + 8 * j + 2 * (l % 4) + e % 2;
-        if r < rows && col < n_out {
-            let (r, col) = (r as usize, col as usize);
-            if !s.is_finite() {
-                // The f32 redo, in k order.
-                s = 0.0;
-                let mut k = 0;
-                while k < n_in {
-                    let wv = unsafe { w.load8::<true>(col, k) };
-                    let xv = unsafe { load_x8(x, r * n_in as usize + k as usize) };
-                    for i in 0..8 {
-                        s = fma(xv[i], wv[i], s);
-                    }
-                    k += 8;
-                }
+    if unsafe { *last } == 0 {
+        return;
+    }
+    let mut i = thread();
+    while i < tile_floats / 4 {
+        let v: [[f32; 4]; MAX_PARTS] = core::array::from_fn(|q| {
+            if (q as u32) < kb {
+                unsafe { load_l2x4(part.add(part_at(q as u32) + 4 * i as usize)) }
+            } else {
+                [0.0; 4]
             }
-            unsafe { *y.add(r * n_out as usize + col) = s + bias_at(bias, col) };
+        });
+        let (r, o) = (row0 + 4 * i / (WARP_OUTS * nw), 4 * i % (WARP_OUTS * nw));
+        for e in 0..4 {
+            let col = cb * nw * WARP_OUTS + o + e as u32;
+            if r < rows && col < n_out {
+                let mut s = v[0][e];
+                for q in 1..MAX_PARTS {
+                    if (q as u32) < kb {
+                        s += v[q][e];
+                    }
+                }
+                put(r, col, s);
+            }
         }
-        q += block_dim();
+        i += block_dim();
     }
 }
 
@@ -213,17 +320,6 @@ pub(crate) unsafe fn gemm_rows<const TY: u32>(p: GemmRows)
 where
     GgmlType<TY>: Format,
 {
-    let GemmRows {
-        y,
-        x,
-        w,
-        bias,
-        rows,
-        n_in,
-        n_out,
-        ks,
-        mt,
-    } = p;
-    let w = <GgmlType<TY> as Format>::W::new(w, n_out, n_in);
-    unsafe { gemm_rows_of(y, x, w, bias, rows, n_in, n_out, ks, mt) }
+    let w = <GgmlType<TY> as Format>::W::new(p.w, p.n_out, p.n_in);
+    unsafe { gemm_rows_of(p, w) }
 }

@@ -60,7 +60,16 @@ pub(crate) trait Weights {
     fn vector(&self) -> bool;
     /// Weights `k..k + 8` of row `row` (`k % 8 == 0`, `k + 8 <= n_in`) in f32, exactly as
     /// `orcd::quant::dequantize` gives them. `VEC`: `vector()` holds.
-    unsafe fn load8<const VEC: bool>(&self, row: usize, k: u32) -> [f32; 8];
+    #[inline(always)]
+    unsafe fn load8<const VEC: bool>(&self, row: usize, k: u32) -> [f32; 8] {
+        Self::decode8(unsafe { self.raw8::<VEC>(row, k) }, k)
+    }
+    /// What `load8` reads, before it is decoded: a load that stays in flight until
+    /// [`decode8`](Weights::decode8) needs it.
+    type Raw8: Copy;
+    unsafe fn raw8<const VEC: bool>(&self, row: usize, k: u32) -> Self::Raw8;
+    /// `load8`'s weights from what `raw8` read for the same `k`.
+    fn decode8(raw: Self::Raw8, k: u32) -> [f32; 8];
     /// Weight `k` of row `row`, for the tail of a row that is not whole groups of 8; rows of
     /// quantized weights never have one (they are whole blocks of 32 or 256).
     unsafe fn load1(&self, row: usize, k: usize) -> f32;
@@ -146,14 +155,21 @@ impl<T: Float> Weights for Plain<T> {
         self.n_in.is_multiple_of(8) && aligned(self.w, 16)
     }
 
+    type Raw8 = [T; 8];
+
     #[inline(always)]
-    unsafe fn load8<const VEC: bool>(&self, row: usize, k: u32) -> [f32; 8] {
+    unsafe fn raw8<const VEC: bool>(&self, row: usize, k: u32) -> [T; 8] {
         let p = unsafe { self.w.add(row * self.n_in + k as usize) };
         if VEC {
-            unsafe { *(p as *const Align16<[T; 8]>) }.0.map(T::to_f32)
+            unsafe { *(p as *const Align16<[T; 8]>) }.0
         } else {
-            core::array::from_fn(|j| unsafe { *p.add(j) }.to_f32())
+            core::array::from_fn(|j| unsafe { *p.add(j) })
         }
+    }
+
+    #[inline(always)]
+    fn decode8(raw: [T; 8], _k: u32) -> [f32; 8] {
+        raw.map(T::to_f32)
     }
 
     #[inline(always)]

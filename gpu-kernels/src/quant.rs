@@ -330,8 +330,11 @@ impl<P: Packing> Weights for Packed<P> {
         true
     }
 
+    /// The chunk's `sc` and `sup` words and the `lo` and `hi` words that hold the 8 weights.
+    type Raw8 = (u32, u32, u64, u64);
+
     #[inline(always)]
-    unsafe fn load8<const VEC: bool>(&self, row: usize, k: u32) -> [f32; 8] {
+    unsafe fn raw8<const VEC: bool>(&self, row: usize, k: u32) -> Self::Raw8 {
         // Elements 8g..8g + 8: the low (g < 2) or high nibbles of lo words 2h, 2h + 1
         // (h = g % 2), read on their own: picking them out of a whole chunk by a dynamic index
         // would put the chunk in local memory.
@@ -352,7 +355,13 @@ impl<P: Packing> Weights for Packed<P> {
                 _ => *(self.hi.add(16 * c + 8 * h) as *const u64),
             }
         };
-        let j = 2 * h as u32;
+        (sc, sup, lo, hi)
+    }
+
+    #[inline(always)]
+    fn decode8((sc, sup, lo, hi): Self::Raw8, k: u32) -> [f32; 8] {
+        let g = k % 32 / 8;
+        let j = 2 * (g % 2);
         let (a0, b0) = Self::quants(lo as u32, hi as u32, j);
         let (a1, b1) = Self::quants((lo >> 32) as u32, (hi >> 32) as u32, j + 1);
         let (s0, s1, m) = P::scales(sc, sup);

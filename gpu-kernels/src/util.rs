@@ -217,6 +217,17 @@ pub fn fence_gpu() {
     unsafe { asm!("fence.acq_rel.gpu;", options(nostack)) };
 }
 
+/// `p[0..4]` (global memory, 16-byte aligned) read from L2, as [`load_l2`].
+#[inline(always)]
+pub unsafe fn load_l2x4(p: *const f32) -> [f32; 4] {
+    let (a, b, c, d): (f32, f32, f32, f32);
+    unsafe {
+        asm!("ld.global.cg.v4.f32 {{{0}, {1}, {2}, {3}}}, [{4}];", out(reg32) a, out(reg32) b,
+            out(reg32) c, out(reg32) d, in(reg64) p, options(nostack, readonly))
+    };
+    [a, b, c, d]
+}
+
 /// `*p` (global memory) read from L2 (`ld.global.cg`), never from a stale L1 line: what
 /// other blocks of the same launch wrote.
 #[inline(always)]
@@ -297,6 +308,43 @@ pub fn store_shared4(at: u32, v: [u32; 4]) {
         asm!("st.shared.v4.b32 [{0}], {{{1}, {2}, {3}, {4}}};", in(reg32) at, in(reg32) v[0],
             in(reg32) v[1], in(reg32) v[2], in(reg32) v[3], options(nostack))
     };
+}
+
+/// Four words from shared memory at `at` (16-byte aligned).
+#[inline(always)]
+pub fn load_shared4(at: u32) -> [u32; 4] {
+    let v: [u32; 4];
+    unsafe {
+        let (a, b, c, d): (u32, u32, u32, u32);
+        asm!("ld.shared.v4.b32 {{{0}, {1}, {2}, {3}}}, [{4}];", out(reg32) a, out(reg32) b,
+            out(reg32) c, out(reg32) d, in(reg32) at, options(nostack, readonly));
+        v = [a, b, c, d];
+    }
+    v
+}
+
+/// Starts copying 16 bytes from global `src` (16-byte aligned) to shared `at` without the
+/// registers (`cp.async`, sm_80+); with `zero` nothing is read and `at` gets zeros. Lands by
+/// [`cp_async_wait`] of its group ([`cp_async_commit`]), for this thread's reads.
+#[inline(always)]
+pub unsafe fn cp_async16(at: u32, src: *const f32, zero: bool) {
+    let n: u32 = if zero { 0 } else { 16 };
+    unsafe {
+        asm!("cp.async.cg.shared.global [{0}], [{1}], 16, {2};", in(reg32) at,
+            in(reg64) src, in(reg32) n, options(nostack))
+    };
+}
+
+/// Closes this thread's group of [`cp_async16`] copies (possibly empty).
+#[inline(always)]
+pub fn cp_async_commit() {
+    unsafe { asm!("cp.async.commit_group;", options(nostack)) };
+}
+
+/// Waits until at most `N` of this thread's newest groups of copies are still in flight.
+#[inline(always)]
+pub fn cp_async_wait<const N: u32>() {
+    unsafe { asm!("cp.async.wait_group {n};", n = const N, options(nostack)) };
 }
 
 /// Four 8×8 matrices of halves from shared memory (`ldmatrix .x4`): lane `l` gives the address

@@ -461,19 +461,24 @@ macro_rules! kernels {
             /// `y[t, o] = x[t, :]·w[o, :] + bias[o]` for `rows` rows, each row's result the
             /// same whatever the other rows (row independence); `bias` may be null. `n_in % 32
             /// == 0`, `x` 16-byte aligned, `w` plain floats 16-byte aligned or packed (`pack`).
-            /// `ks` slices of K (a function of the shape alone), `mt` m16 tiles of rows a block
-            /// (1, 2 or 4). Keyed by the ggml type. Grid: `ceil(rows / (16·mt))·ceil(n_out /
-            /// (16·nw))` blocks; block: `32·ks·nw` threads; shared: `ks·nw·mt·256` f32. May
-            /// overlap the kernel before.
+            /// K in `kb` parts (a function of the shape alone): with `kb > 1` each block leaves
+            /// its part's sums in `part = [kb, tiles, 16·mt, 16·nw]` and the last block of a
+            /// tile adds them in order, counted in `counts` (one word per tile, zero before and
+            /// after).
+            /// `mt` m16 tiles of rows a block (1, 2, 4 or 8). Keyed by the ggml type. Grid:
+            /// `ceil(rows / (16·mt))·ceil(n_out / (16·nw))·kb` blocks; block: `32·nw` threads;
+            /// shared: `gemm_rows::shared_bytes(mt)`. May overlap the kernel before.
             GemmRows(
                 y: *mut f32,
                 x: *const f32,
                 w: *const u8,
                 bias: *const f32,
+                part: *mut f32,
+                counts: *mut u32,
                 rows: u32,
                 n_in: u32,
                 n_out: u32,
-                ks: u32,
+                kb: u32,
                 mt: u32,
             ) => gemm_rows::gemm_rows {
                 gemm_rows_f32 = $crate::ggml::F32,

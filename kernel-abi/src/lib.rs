@@ -204,12 +204,24 @@ pub mod sampling {
 pub mod gemm_rows {
     /// n8 tiles of outputs per warp: a warp computes `8·NT` outputs.
     pub const NT: u32 = 2;
-    /// The most m16 tiles of rows a block takes (`mt` is 1, 2 or this).
-    pub const MAX_MT: u32 = 4;
+    /// The most m16 tiles of rows a block takes (`mt` is 1, 2, 4 or this).
+    pub const MAX_MT: u32 = 8;
     /// Outputs per warp.
     pub const WARP_OUTS: u32 = 8 * NT;
-    /// Shared f32 of one warp's partial sums for one m16 tile of rows: `mt·PER_TILE` a warp.
-    pub const PER_TILE: u32 = NT * 4 * super::WARP;
+    /// The most parts of K (`kb`).
+    pub const MAX_PARTS: u32 = 8;
+    /// Chunks of x in flight in a block's shared memory (a ring: the block computes one while
+    /// the next ones load).
+    pub const STAGES: u32 = 3;
+    /// Floats from one row of a staged chunk to the next: its 32, and 4 that put the rows of
+    /// an m16 tile's fragment loads on distinct banks.
+    pub const ROW_FLOATS: u32 = 36;
+
+    /// Shared bytes of a block of `mt` m16 tiles of rows: the ring, then the word that tells the
+    /// block whether it adds up the K parts.
+    pub const fn shared_bytes(mt: u32) -> u32 {
+        4 * STAGES * 16 * mt * ROW_FLOATS + 16
+    }
 }
 
 /// The paged KV cache's kernels (gpu-kernels' paged.rs).

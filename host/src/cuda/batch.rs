@@ -127,7 +127,9 @@ impl CudaBatch {
             return Ok(Vec::new());
         }
         let vocab = self.pipe.model().cfg.vocab;
-        self.pipe.model_mut().logits_of_rows(&self.sample_rows, m)?;
+        self.pipe
+            .model_mut()
+            .logits_of_rows(&self.sample_rows, m, &mut self.step.gemm)?;
         // Log-probabilities are of the raw logits: those rows are read before the sampler
         // penalises them in place.
         let (dev, logits) = self.pipe.model_mut().logits_mut();
@@ -241,7 +243,9 @@ impl CudaBatch {
         self.pipe
             .model_mut()
             .forward_rows(&mut self.kv, &mut self.step, n)?;
-        self.pipe.model_mut().logits_of_rows(&self.sample_rows, n)?;
+        self.pipe
+            .model_mut()
+            .logits_of_rows(&self.sample_rows, n, &mut self.step.gemm)?;
         let (dev, logits) = self.pipe.model_mut().logits_mut();
         dev.sample_rows_launch(&mut self.next, logits, vocab, n, &mut self.sampler)
     }

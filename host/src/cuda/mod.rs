@@ -27,6 +27,7 @@ mod sampling;
 
 pub use attention::AttentionSums;
 pub use decode::{BoundedArgmax, StepEnd};
+pub use gemm_rows::{GemmScratch, gemm_rows_scratch};
 pub use matmul::GpuMatrix;
 
 /// Threads per block of the row-per-block and row-per-warp kernels.

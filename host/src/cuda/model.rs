@@ -13,7 +13,9 @@ use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::decode_pipeline::GRAPH_STEPS;
 use super::paged::{KvCopy, PagedKv, PagedScratch};
-use super::{AttentionSums, BoundedArgmax, Device, GpuMatrix, StepEnd};
+use super::{
+    AttentionSums, BoundedArgmax, Device, GemmScratch, GpuMatrix, StepEnd, gemm_rows_scratch,
+};
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
 use crate::models::Progress;
@@ -445,7 +447,7 @@ impl CudaModel {
 
         for w in &mut self.layers {
             // Attention block: q/k/v, RoPE at pos.., the cache append, causal attention.
-            qkv(dev, c, w, b, n, Product::Matmul)?;
+            qkv(dev, c, w, b, n, &mut Product::Matmul)?;
             dev.rope_neox(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.pos,
@@ -479,8 +481,8 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?;
-            attn_output(dev, w, b, n, hidden, Product::Matmul)?;
-            ffn(dev, c, w, b, n, Product::Matmul)?;
+            attn_output(dev, w, b, n, hidden, &mut Product::Matmul)?;
+            ffn(dev, c, w, b, n, &mut Product::Matmul)?;
         }
 
         // Final norm and output projection, for the rows asked for.
@@ -532,7 +534,7 @@ impl CudaModel {
         for (w, kv) in self.layers.iter_mut().zip(kv) {
             // Attention block: q/k/v, RoPE at each row's position and the store into its cache
             // slot, attention over each sequence's blocks.
-            qkv(dev, c, w, b, n, Product::Rows)?;
+            qkv(dev, c, w, b, n, &mut Product::Rows(&mut step.gemm))?;
             dev.rope_kv_paged(
                 &mut view_mut(&mut b.q, n * hidden),
                 &b.k,
@@ -559,15 +561,20 @@ impl CudaModel {
                 c.head_dim,
                 step.block_tokens,
             )?;
-            attn_output(dev, w, b, n, hidden, Product::Rows)?;
-            ffn(dev, c, w, b, n, Product::Rows)?;
+            attn_output(dev, w, b, n, hidden, &mut Product::Rows(&mut step.gemm))?;
+            ffn(dev, c, w, b, n, &mut Product::Rows(&mut step.gemm))?;
         }
         Ok(())
     }
 
     /// The logits `[rows.len(), vocab]` (at the start of `buf.logits`) of the rows `rows` of the
     /// last `forward_rows`: the final norm and the output projection of those rows alone.
-    pub(crate) fn logits_of_rows(&mut self, rows: &CudaSlice<u32>, n: usize) -> Result<()> {
+    pub(crate) fn logits_of_rows(
+        &mut self,
+        rows: &CudaSlice<u32>,
+        n: usize,
+        scratch: &mut GemmScratch,
+    ) -> Result<()> {
         let c = &self.cfg;
         let (dev, b) = (&self.dev, &mut self.buf);
         dev.gather_rows(&mut b.att, &b.x, rows, n, c.hidden)?;
@@ -583,6 +590,7 @@ impl CudaModel {
             &self.output,
             None,
             n,
+            scratch,
         )
     }
 
@@ -650,6 +658,17 @@ impl CudaModel {
         Ok(())
     }
 
+    /// Floats of `GemmScratch` a row of the batched pass takes: its widest parts of K.
+    fn gemm_rows_scratch(&self) -> usize {
+        self.layers
+            .iter()
+            .flat_map(|w| [&w.wq, &w.wk, &w.wv, &w.wo, &w.w_gate, &w.w_up, &w.w_down])
+            .chain([&self.output])
+            .map(|m| gemm_rows_scratch(m.n_in(), m.rows()))
+            .max()
+            .unwrap_or(0)
+    }
+
     /// The device buffers of the rows of one batched step, for up to `MAX_BATCH` rows and
     /// `tables` block-table entries.
     pub(crate) fn step_inputs(&self, tables: usize, block_tokens: usize) -> Result<StepInputs> {
@@ -668,6 +687,7 @@ impl CudaModel {
                 c.n_kv_heads,
                 c.head_dim,
             )?,
+            gemm: dev.gemm_scratch(MAX_BATCH, self.gemm_rows_scratch())?,
             block_tokens,
         })
     }
@@ -684,21 +704,23 @@ pub(crate) struct StepInputs {
     pub tables: CudaSlice<u32>,
     /// `paged_attention`'s partial results of its key splits.
     pub attention: PagedScratch,
+    /// Where `matmul_rows`'s parts of K meet.
+    pub gemm: GemmScratch,
     pub block_tokens: usize,
 }
 
 /// Which matrix product a pass runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Product {
+enum Product<'a> {
     /// `Device::matmul`: the single sequence's prefill (the tiled tensor-core GEMM).
     Matmul,
-    /// `Device::matmul_rows`: the batched pass, each row's values independent of the batch.
-    Rows,
+    /// `Device::matmul_rows`: the batched pass, each row's values independent of the batch,
+    /// with the scratch where its parts of K meet.
+    Rows(&'a mut GemmScratch),
 }
 
-impl Product {
+impl Product<'_> {
     fn run(
-        self,
+        &mut self,
         dev: &Device,
         y: &mut impl DevicePtrMut<f32>,
         x: &impl DevicePtr<f32>,
@@ -708,7 +730,7 @@ impl Product {
     ) -> Result<()> {
         match self {
             Product::Matmul => dev.matmul(y, x, w, bias, n),
-            Product::Rows => dev.matmul_rows(y, x, w, bias, n),
+            Product::Rows(scratch) => dev.matmul_rows(y, x, w, bias, n, scratch),
         }
     }
 }
@@ -738,12 +760,12 @@ fn qkv(
     w: &Layer,
     b: &mut Buffers,
     n: usize,
-    product: Product,
+    product: &mut Product,
 ) -> Result<()> {
     let (hidden, kv_dim) = (c.hidden, c.kv_dim());
     norm_rows(dev, c, b, &w.attn_norm, n)?;
     let xb = view(&b.xb, n * hidden);
-    let mm = |y: &mut CudaViewMut<f32>, w, bias| product.run(dev, y, &xb, w, bias, n);
+    let mut mm = |y: &mut CudaViewMut<f32>, w, bias| product.run(dev, y, &xb, w, bias, n);
     mm(&mut view_mut(&mut b.q, n * hidden), &w.wq, Some(&w.bq))?;
     mm(&mut view_mut(&mut b.k, n * kv_dim), &w.wk, Some(&w.bk))?;
     mm(&mut view_mut(&mut b.v, n * kv_dim), &w.wv, Some(&w.bv))
@@ -756,7 +778,7 @@ fn attn_output(
     b: &mut Buffers,
     n: usize,
     hidden: usize,
-    product: Product,
+    product: &mut Product,
 ) -> Result<()> {
     let (att, mut out) = (view(&b.att, n * hidden), view_mut(&mut b.xb, n * hidden));
     product.run(dev, &mut out, &att, &w.wo, None, n)?;
@@ -773,12 +795,12 @@ fn ffn(
     w: &Layer,
     b: &mut Buffers,
     n: usize,
-    product: Product,
+    product: &mut Product,
 ) -> Result<()> {
     let (hidden, ffn) = (c.hidden, c.ffn);
     norm_rows(dev, c, b, &w.ffn_norm, n)?;
     let xb = view(&b.xb, n * hidden);
-    let mm = |y: &mut CudaViewMut<f32>, w| product.run(dev, y, &xb, w, None, n);
+    let mut mm = |y: &mut CudaViewMut<f32>, w| product.run(dev, y, &xb, w, None, n);
     mm(&mut view_mut(&mut b.gate, n * ffn), &w.w_gate)?;
     mm(&mut view_mut(&mut b.up, n * ffn), &w.w_up)?;
     dev.silu_mul(&mut view_mut(&mut b.gate, n * ffn), &view(&b.up, n * ffn))?;

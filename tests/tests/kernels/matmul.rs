@@ -739,6 +739,22 @@ pub(super) fn mma_err(
     n_in: usize,
     cols: &[usize],
 ) -> (f32, f32) {
+    product_err(got, x, w32, bias, n_in, cols, MMA_TOL, 2f32.powi(-35))
+}
+
+/// `mma_err` for a product of another precision: the bound `rel_tol·(sum|x·w| + |bias|) +
+/// abs_tol·(sum|x| + sum|w|)`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn product_err(
+    got: impl Fn(usize, usize) -> f32,
+    x: &[f32],
+    w32: &[f32],
+    bias: &[f32],
+    n_in: usize,
+    cols: &[usize],
+    rel_tol: f32,
+    abs_tol: f32,
+) -> (f32, f32) {
     let rows = x.len() / n_in;
     let w_cols: Vec<f32> = cols
         .iter()
@@ -761,7 +777,7 @@ pub(super) fn mma_err(
         for (j, &o) in cols.iter().enumerate() {
             let i = t * cols.len() + j;
             let err = (got(t, o) - want[i]).abs();
-            let bound = MMA_TOL * mag[i] + 2f32.powi(-35) * (x_l1 + w_l1[j]);
+            let bound = rel_tol * mag[i] + abs_tol * (x_l1 + w_l1[j]);
             // NaN (an output never written or read out of bounds) must fail too.
             for (worst, e) in [
                 (&mut rel, err / mag[i].max(1e-30)),
