@@ -113,7 +113,10 @@ fn paged_f16_kv_teacher_forced_top1_matches_the_references() {
         println!(
             "{format:?}: top-1 agrees at {clear_ok}/{clear} clear positions, {ok}/{all} in all"
         );
-        assert!(clear > 0 && ok * 100 >= all * 98, "{format:?}: {ok}/{all}");
+        // The batched products round their operands to f16, as the f16 weight path: the same
+        // bar (cuda_model's), 98% of all positions or all but the near ties.
+        let floor = (all * 98).div_ceil(100).min(clear);
+        assert!(clear > 0 && ok >= floor, "{format:?}: {ok}/{all} < {floor}");
     }
 }
 
