@@ -92,6 +92,27 @@ unsafe fn redo<W: Weights>(
     s
 }
 
+/// `f(m, &mut acc[m])` for the block's `mt` m16 tiles (1, 2, 4 or `MT`), each index a constant:
+/// a loop over `m` would leave the accumulators in local memory.
+#[inline(always)]
+fn each_tile<T>(mt: u32, acc: &mut [T; MT], mut f: impl FnMut(usize, &mut T)) {
+    let [a0, a1, a2, a3, a4, a5, a6, a7] = acc;
+    f(0, a0);
+    if mt > 1 {
+        f(1, a1);
+    }
+    if mt > 2 {
+        f(2, a2);
+        f(3, a3);
+    }
+    if mt > 4 {
+        f(4, a4);
+        f(5, a5);
+        f(6, a6);
+        f(7, a7);
+    }
+}
+
 /// The kernel body (see the module doc). `n_in % 32 == 0`, `x` 16-byte aligned, `w.vector()`,
 /// `mt` 1, 2, 4 or `MT` (8), `1 <= kb <= n_in / 32`. Shared: `shared_bytes(mt)`.
 #[allow(clippy::needless_range_loop)]
@@ -179,8 +200,7 @@ unsafe fn gemm_rows_of<W: Weights>(p: GemmRows, w: W) {
             let wv = W::decode8(wv[j], 8 * c);
             core::array::from_fn(|h| f16x2(wv[2 * h], wv[2 * h + 1]))
         });
-        // M16 tile `m` with its accumulators: called with constant indices below, as a loop
-        // over `m` would leave the accumulators in local memory.
+        // M16 tile `m` with its accumulators.
         let tile = |m: usize, acc: &mut [[f32; 4]; NT]| {
             // Rows `16m + g` (v[0]) and `+ 8` (v[1]), floats `8c + 4s..8c + 4s + 4` (v[h][s]).
             let r = 16 * m as u32 + g;
@@ -203,21 +223,7 @@ unsafe fn gemm_rows_of<W: Weights>(p: GemmRows, w: W) {
                 }
             }
         };
-        let [m0, m1, m2, m3, m4, m5, m6, m7] = &mut acc;
-        tile(0, m0);
-        if mt > 1 {
-            tile(1, m1);
-        }
-        if mt > 2 {
-            tile(2, m2);
-            tile(3, m3);
-        }
-        if mt > 4 {
-            tile(4, m4);
-            tile(5, m5);
-            tile(6, m6);
-            tile(7, m7);
-        }
+        each_tile(mt, &mut acc, tile);
         (wv, wv1) = (wv1, wn);
     }
 
@@ -242,8 +248,7 @@ unsafe fn gemm_rows_of<W: Weights>(p: GemmRows, w: W) {
     let tiles = grid_dim() / kb;
     let part_at = |q: u32| ((q * tiles + cb * row_tiles + rt) * tile_floats) as usize;
     // M16 tile `m`'s sums over this block's part: written, or with `kb > 1` left in `part`.
-    // Called with constant indices, as the products above.
-    let own = |m: usize, acc: &[[f32; 4]; NT]| {
+    let own = |m: usize, acc: &mut [[f32; 4]; NT]| {
         for j in 0..NT {
             for e in 0..4 {
                 let s = acc[j][e];
@@ -257,21 +262,7 @@ unsafe fn gemm_rows_of<W: Weights>(p: GemmRows, w: W) {
             }
         }
     };
-    let [m0, m1, m2, m3, m4, m5, m6, m7] = &acc;
-    own(0, m0);
-    if mt > 1 {
-        own(1, m1);
-    }
-    if mt > 2 {
-        own(2, m2);
-        own(3, m3);
-    }
-    if mt > 4 {
-        own(4, m4);
-        own(5, m5);
-        own(6, m6);
-        own(7, m7);
-    }
+    each_tile(mt, &mut acc, own);
     if kb == 1 {
         return;
     }

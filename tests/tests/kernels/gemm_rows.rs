@@ -6,7 +6,7 @@
 //! Tolerance: x and each weight are rounded to f16 (within 2^-11 of the value, or 2^-25 below
 //! f16's normal range), so each product is off by at most ~2^-10 of |x·w| plus 2^-25·(|x| +
 //! |w|), and then the f32 sums (the mma's, then the parts of K added in order). So the check
-//! is `product_err`'s bound `ROWS_TOL·(sum|x·w| + |bias|) + 2^-24·(sum|x| + sum|w|)`.
+//! is `mma_err` with the bound `ROWS_TOL·(sum|x·w| + |bias|) + 2^-24·(sum|x| + sum|w|)`.
 use orcd::cpu;
 use orcd::cuda::{Device, GemmScratch, GpuMatrix, gemm_rows_scratch};
 use orcd::gguf::Gguf;
@@ -14,22 +14,15 @@ use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
 use std::time::Instant;
 
-use super::matmul::{TYPES, abs, each_distinct_matrix, mma_err, product_err, random_table};
+use super::matmul::{Bound, MMA_BOUND, TYPES, abs, each_distinct_matrix, mma_err, random_table};
 
-/// The bound on an output's error over sum|x·w| + |bias| (see the module doc).
+/// The kernel's bound (see the module doc).
+const ROWS_BOUND: Bound = Bound {
+    rel: ROWS_TOL,
+    abs: 1.0 / 16_777_216.0,
+};
+/// Its relative part: over sum|x·w| + |bias|.
 const ROWS_TOL: f32 = 1.0 / 1024.0 + 1e-6;
-
-/// `product_err` with the kernel's bound.
-fn rows_err(
-    got: impl Fn(usize, usize) -> f32,
-    x: &[f32],
-    w32: &[f32],
-    bias: &[f32],
-    n_in: usize,
-    cols: &[usize],
-) -> (f32, f32) {
-    product_err(got, x, w32, bias, n_in, cols, ROWS_TOL, 2f32.powi(-24))
-}
 
 /// A scratch for `matmul_rows` of `rows` rows of `wd`.
 fn scratch(dev: &Device, wd: &GpuMatrix, rows: usize) -> GemmScratch {
@@ -76,7 +69,7 @@ fn cols(n_out: usize) -> Vec<usize> {
     c
 }
 
-/// Checks `matmul_rows` against `cpu::matmul` within `rows_err`'s bound for `rows` random rows.
+/// Checks `matmul_rows` against `cpu::matmul` within `ROWS_BOUND` for `rows` random rows.
 fn check(
     dev: &Device,
     rng: &mut Rng,
@@ -89,7 +82,15 @@ fn check(
     let (n_in, n_out) = (wd.n_in(), wd.rows());
     let x = rng.vec(rows * n_in);
     let y = run(dev, wd, &x, 0, Some(bias), rows);
-    let (err, of_bound) = rows_err(|t, o| y[t * n_out + o], &x, w32, bias, n_in, &cols(n_out));
+    let (err, of_bound) = mma_err(
+        |t, o| y[t * n_out + o],
+        &x,
+        w32,
+        bias,
+        n_in,
+        &cols(n_out),
+        ROWS_BOUND,
+    );
     let what = format!("matmul_rows {what} rows={rows} {n_out}x{n_in}");
     println!("{what}: max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)");
     assert!(
@@ -316,7 +317,15 @@ fn matmul_rows_falls_back_and_checks_shapes() {
             let x = rng.vec(rows * n_in);
             let y = run(&dev, &wd, &x, x_off, Some(&bias), rows);
             let all: Vec<usize> = (0..n_out).collect();
-            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w32, &bias, n_in, &all);
+            let (err, of_bound) = mma_err(
+                |t, o| y[t * n_out + o],
+                &x,
+                &w32,
+                &bias,
+                n_in,
+                &all,
+                MMA_BOUND,
+            );
             assert!(
                 of_bound <= 1.0,
                 "{ty:?} {n_out}x{n_in} rows={rows}: {err:.2e}"

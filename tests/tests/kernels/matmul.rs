@@ -725,12 +725,25 @@ fn add_matches_cpu() {
 /// printed; the CPU emulation below gives ~5e-8, ~2e-7 with truncating MMA sums).
 pub(super) const MMA_TOL: f32 = 2e-6;
 
+/// An error bound of a product: `rel·(sum|x·w| + |bias|) + abs·(sum|x| + sum|w|)`.
+#[derive(Clone, Copy)]
+pub(super) struct Bound {
+    pub rel: f32,
+    pub abs: f32,
+}
+
+/// The tensor-core GEMM's bound (`MMA_TOL`, and 2^-35 for operands below f16's normal range).
+pub(super) const MMA_BOUND: Bound = Bound {
+    rel: MMA_TOL,
+    abs: 1.0 / 34_359_738_368.0,
+};
+
 /// The worst error of the tensor-core GEMM's `got(token, output)` at the outputs `cols` (all
 /// of them, or a sample of a vocabulary-sized matrix, whose full CPU product is slow) against
 /// `cpu::matmul` of `x` and the weights `w32` (with `bias`): over sum|x·w| + |bias| (printed),
-/// and over the bound `MMA_TOL·(sum|x·w| + |bias|) + 2^-35·(sum|x| + sum|w|)`, whose second
-/// term is the split's absolute error (2^-36 per product, doubled) where an operand is below
-/// f16's normal range (|v| < 2^-14); the bound holds where the second figure is <= 1.
+/// and over `bound` (the GEMM's `MMA_BOUND`: `MMA_TOL·(sum|x·w| + |bias|) + 2^-35·(sum|x| +
+/// sum|w|)`, whose second term is the split's absolute error, 2^-36 per product doubled, where
+/// an operand is below f16's normal range, |v| < 2^-14); it holds where the second is <= 1.
 pub(super) fn mma_err(
     got: impl Fn(usize, usize) -> f32,
     x: &[f32],
@@ -738,22 +751,7 @@ pub(super) fn mma_err(
     bias: &[f32],
     n_in: usize,
     cols: &[usize],
-) -> (f32, f32) {
-    product_err(got, x, w32, bias, n_in, cols, MMA_TOL, 2f32.powi(-35))
-}
-
-/// `mma_err` for a product of another precision: the bound `rel_tol·(sum|x·w| + |bias|) +
-/// abs_tol·(sum|x| + sum|w|)`.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn product_err(
-    got: impl Fn(usize, usize) -> f32,
-    x: &[f32],
-    w32: &[f32],
-    bias: &[f32],
-    n_in: usize,
-    cols: &[usize],
-    rel_tol: f32,
-    abs_tol: f32,
+    bound: Bound,
 ) -> (f32, f32) {
     let rows = x.len() / n_in;
     let w_cols: Vec<f32> = cols
@@ -777,7 +775,7 @@ pub(super) fn product_err(
         for (j, &o) in cols.iter().enumerate() {
             let i = t * cols.len() + j;
             let err = (got(t, o) - want[i]).abs();
-            let bound = rel_tol * mag[i] + abs_tol * (x_l1 + w_l1[j]);
+            let bound = bound.rel * mag[i] + bound.abs * (x_l1 + w_l1[j]);
             // NaN (an output never written or read out of bounds) must fail too.
             for (worst, e) in [
                 (&mut rel, err / mag[i].max(1e-30)),
@@ -813,7 +811,15 @@ fn matmul_q_prefill_on_real_weights() {
         for rows in [512, 513] {
             let x = rng.vec(rows * n_in);
             let y = gpu(&x, Some(bias), rows);
-            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, w32, bias, n_in, &cols);
+            let (err, of_bound) = mma_err(
+                |t, o| y[t * n_out + o],
+                &x,
+                w32,
+                bias,
+                n_in,
+                &cols,
+                MMA_BOUND,
+            );
             let what = format!(
                 "matmul_q {} ({}) rows={rows} {n_out}x{n_in}",
                 t.name,
@@ -851,8 +857,15 @@ fn matmul_tensor_core_step_counts_and_ragged_tiles() {
                 for rows in [2, 65, 130] {
                     let x = rng.vec(rows * n_in);
                     let y = gpu(&x, Some(&bias), rows);
-                    let (err, of_bound) =
-                        mma_err(|t, o| y[t * n_out + o], &x, &w32, &bias, n_in, &cols);
+                    let (err, of_bound) = mma_err(
+                        |t, o| y[t * n_out + o],
+                        &x,
+                        &w32,
+                        &bias,
+                        n_in,
+                        &cols,
+                        MMA_BOUND,
+                    );
                     let what = format!("matmul {} rows={rows} {n_out}x{n_in}", ty.name());
                     assert!(
                         of_bound <= 1.0,
@@ -909,7 +922,8 @@ fn matmul_large_tiny_and_out_of_range_activations() {
     for (wname, gpu, w) in &gpus {
         for (what, x) in &cases {
             let y = gpu(x, Some(&bias), rows);
-            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], x, w, &bias, n_in, &cols);
+            let (err, of_bound) =
+                mma_err(|t, o| y[t * n_out + o], x, w, &bias, n_in, &cols, MMA_BOUND);
             println!(
                 "matmul {wname} attn_q rows={rows}, {what}: max err / sum|x*w| = {err:.2e} \
                  ({of_bound:.2} of the bound)"
@@ -1207,7 +1221,15 @@ fn mma_tile_emulation_matches_cpu() {
         // A bias of the products' size, so that it does not hide their error.
         let bias: Vec<f32> = bias.iter().map(|b| b * scale).collect();
         let (y, fallback) = emulation::gemm_mma(&x, &w, w_f16, &bias, rows, n_in, Nearest);
-        let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w, &bias, n_in, &cols);
+        let (err, of_bound) = mma_err(
+            |t, o| y[t * n_out + o],
+            &x,
+            &w,
+            &bias,
+            n_in,
+            &cols,
+            MMA_BOUND,
+        );
         println!(
             "emulated mma {rows}x{n_out}x{n_in} f16 weights {w_f16}, |x| ~ {scale:e}: \
              max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)"
@@ -1238,7 +1260,15 @@ fn mma_tile_emulation_matches_cpu() {
         let cols: Vec<usize> = (0..n_out).collect();
         for rounding in [Nearest, Truncating] {
             let (y, _) = emulation::gemm_mma(&x, &w, false, &bias, 64, n_in, rounding);
-            let (err, of_bound) = mma_err(|t, o| y[t * n_out + o], &x, &w, &bias, n_in, &cols);
+            let (err, of_bound) = mma_err(
+                |t, o| y[t * n_out + o],
+                &x,
+                &w,
+                &bias,
+                n_in,
+                &cols,
+                MMA_BOUND,
+            );
             println!(
                 "emulated mma {} ({}) 64 rows x 64 outputs x {n_in}, {rounding:?}: \
                  max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)",
