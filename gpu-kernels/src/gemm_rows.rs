@@ -17,14 +17,15 @@
 //! warp reads its fragments there. Each lane loads its own weights straight into its
 //! fragments, two chunks ahead, decoded when multiplied: within a chunk, lane
 //! `(g, c)` (`g = lane / 4`, `c = lane % 4`) takes the 8 consecutive weights `8c..8c + 8` of
-//! its output rows (`Weights::load8`, exactly `quant::dequantize`'s values) and the same 8
-//! elements of its rows of `x`. A product's k order is free, so the chunk's two k16 steps `s`
+//! its output rows (`Weights::raw8`, then `decode8`: exactly `quant::dequantize`'s values) and
+//! the same 8 elements of its rows of `x` from the ring. A product's k order is free, so the chunk's two k16 steps `s`
 //! map the fragments' logical k `2c + e` to physical `8c + 4s + e` and `2c + 8 + e` to
 //! `8c + 4s + 2 + e`, for `a` and `b` alike.
 //!
-//! With `kb > 1` the parts meet through global memory: each block writes its sums to its
-//! part's rows of `part`, and the block that counts last for the tile (`count_last`) adds the
-//! parts in the order 0, 1, .., kb - 1.
+//! With `kb > 1` the parts meet through global memory: each block writes its tile's sums to
+//! its part's slot of `part`, and the block that counts last for the tile (`count_last`) adds
+//! the parts in the order 0, 1, .., kb - 1, four outputs a thread with every part's load in
+//! flight at once.
 //!
 //! Row independence: `kb` is chosen by the host from the matrix's shape alone, a row always
 //! sits at the same place `t % 16` of an m16 tile (tiles start at multiples of 16), the mma
