@@ -11,8 +11,8 @@ use crate::Result;
 /// Outputs per warp and the most m16 row tiles per block (the kernel's).
 const WARP_OUTS: usize = kernel_abi::gemm_rows::WARP_OUTS as usize;
 const MAX_MT: usize = kernel_abi::gemm_rows::MAX_MT as usize;
-/// The most parts of K, each at least `MIN_PART` chunks of 32.
-const MAX_PARTS: usize = 8;
+/// The most parts of K (the kernel's), each at least `MIN_PART` chunks of 32.
+const MAX_PARTS: usize = kernel_abi::gemm_rows::MAX_PARTS as usize;
 const MIN_PART: usize = 4;
 /// Blocks a row tile aims at: the H200's 132 SMs (a constant, so that the split of K stays a
 /// function of the shape alone).
