@@ -82,15 +82,7 @@ fn check(
     let (n_in, n_out) = (wd.n_in(), wd.rows());
     let x = rng.vec(rows * n_in);
     let y = run(dev, wd, &x, 0, Some(bias), rows);
-    let (err, of_bound) = mma_err(
-        |t, o| y[t * n_out + o],
-        &x,
-        w32,
-        bias,
-        n_in,
-        &cols(n_out),
-        ROWS_BOUND,
-    );
+    let (err, of_bound) = mma_err(&y, &x, w32, bias, n_in, &cols(n_out), ROWS_BOUND);
     let what = format!("matmul_rows {what} rows={rows} {n_out}x{n_in}");
     println!("{what}: max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)");
     assert!(
@@ -317,15 +309,7 @@ fn matmul_rows_falls_back_and_checks_shapes() {
             let x = rng.vec(rows * n_in);
             let y = run(&dev, &wd, &x, x_off, Some(&bias), rows);
             let all: Vec<usize> = (0..n_out).collect();
-            let (err, of_bound) = mma_err(
-                |t, o| y[t * n_out + o],
-                &x,
-                &w32,
-                &bias,
-                n_in,
-                &all,
-                MMA_BOUND,
-            );
+            let (err, of_bound) = mma_err(&y, &x, &w32, &bias, n_in, &all, MMA_BOUND);
             assert!(
                 of_bound <= 1.0,
                 "{ty:?} {n_out}x{n_in} rows={rows}: {err:.2e}"

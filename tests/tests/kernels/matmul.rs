@@ -738,14 +738,14 @@ pub(super) const MMA_BOUND: Bound = Bound {
     abs: 1.0 / 34_359_738_368.0,
 };
 
-/// The worst error of the tensor-core GEMM's `got(token, output)` at the outputs `cols` (all
+/// The worst error of the tensor-core GEMM's output `y = [tokens, n_out]` at the outputs `cols` (all
 /// of them, or a sample of a vocabulary-sized matrix, whose full CPU product is slow) against
 /// `cpu::matmul` of `x` and the weights `w32` (with `bias`): over sum|x·w| + |bias| (printed),
 /// and over `bound` (the GEMM's `MMA_BOUND`: `MMA_TOL·(sum|x·w| + |bias|) + 2^-35·(sum|x| +
 /// sum|w|)`, whose second term is the split's absolute error, 2^-36 per product doubled, where
 /// an operand is below f16's normal range, |v| < 2^-14); it holds where the second is <= 1.
 pub(super) fn mma_err(
-    got: impl Fn(usize, usize) -> f32,
+    y: &[f32],
     x: &[f32],
     w32: &[f32],
     bias: &[f32],
@@ -754,6 +754,7 @@ pub(super) fn mma_err(
     bound: Bound,
 ) -> (f32, f32) {
     let rows = x.len() / n_in;
+    let n_out = y.len() / rows;
     let w_cols: Vec<f32> = cols
         .iter()
         .flat_map(|&o| &w32[o * n_in..(o + 1) * n_in])
@@ -774,7 +775,7 @@ pub(super) fn mma_err(
     for (t, x_l1) in x_l1.iter().enumerate() {
         for (j, &o) in cols.iter().enumerate() {
             let i = t * cols.len() + j;
-            let err = (got(t, o) - want[i]).abs();
+            let err = (y[t * n_out + o] - want[i]).abs();
             let bound = bound.rel * mag[i] + bound.abs * (x_l1 + w_l1[j]);
             // NaN (an output never written or read out of bounds) must fail too.
             for (worst, e) in [
@@ -811,15 +812,7 @@ fn matmul_q_prefill_on_real_weights() {
         for rows in [512, 513] {
             let x = rng.vec(rows * n_in);
             let y = gpu(&x, Some(bias), rows);
-            let (err, of_bound) = mma_err(
-                |t, o| y[t * n_out + o],
-                &x,
-                w32,
-                bias,
-                n_in,
-                &cols,
-                MMA_BOUND,
-            );
+            let (err, of_bound) = mma_err(&y, &x, w32, bias, n_in, &cols, MMA_BOUND);
             let what = format!(
                 "matmul_q {} ({}) rows={rows} {n_out}x{n_in}",
                 t.name,
@@ -857,15 +850,7 @@ fn matmul_tensor_core_step_counts_and_ragged_tiles() {
                 for rows in [2, 65, 130] {
                     let x = rng.vec(rows * n_in);
                     let y = gpu(&x, Some(&bias), rows);
-                    let (err, of_bound) = mma_err(
-                        |t, o| y[t * n_out + o],
-                        &x,
-                        &w32,
-                        &bias,
-                        n_in,
-                        &cols,
-                        MMA_BOUND,
-                    );
+                    let (err, of_bound) = mma_err(&y, &x, &w32, &bias, n_in, &cols, MMA_BOUND);
                     let what = format!("matmul {} rows={rows} {n_out}x{n_in}", ty.name());
                     assert!(
                         of_bound <= 1.0,
@@ -922,8 +907,7 @@ fn matmul_large_tiny_and_out_of_range_activations() {
     for (wname, gpu, w) in &gpus {
         for (what, x) in &cases {
             let y = gpu(x, Some(&bias), rows);
-            let (err, of_bound) =
-                mma_err(|t, o| y[t * n_out + o], x, w, &bias, n_in, &cols, MMA_BOUND);
+            let (err, of_bound) = mma_err(&y, x, w, &bias, n_in, &cols, MMA_BOUND);
             println!(
                 "matmul {wname} attn_q rows={rows}, {what}: max err / sum|x*w| = {err:.2e} \
                  ({of_bound:.2} of the bound)"
@@ -1221,15 +1205,7 @@ fn mma_tile_emulation_matches_cpu() {
         // A bias of the products' size, so that it does not hide their error.
         let bias: Vec<f32> = bias.iter().map(|b| b * scale).collect();
         let (y, fallback) = emulation::gemm_mma(&x, &w, w_f16, &bias, rows, n_in, Nearest);
-        let (err, of_bound) = mma_err(
-            |t, o| y[t * n_out + o],
-            &x,
-            &w,
-            &bias,
-            n_in,
-            &cols,
-            MMA_BOUND,
-        );
+        let (err, of_bound) = mma_err(&y, &x, &w, &bias, n_in, &cols, MMA_BOUND);
         println!(
             "emulated mma {rows}x{n_out}x{n_in} f16 weights {w_f16}, |x| ~ {scale:e}: \
              max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)"
@@ -1260,15 +1236,7 @@ fn mma_tile_emulation_matches_cpu() {
         let cols: Vec<usize> = (0..n_out).collect();
         for rounding in [Nearest, Truncating] {
             let (y, _) = emulation::gemm_mma(&x, &w, false, &bias, 64, n_in, rounding);
-            let (err, of_bound) = mma_err(
-                |t, o| y[t * n_out + o],
-                &x,
-                &w,
-                &bias,
-                n_in,
-                &cols,
-                MMA_BOUND,
-            );
+            let (err, of_bound) = mma_err(&y, &x, &w, &bias, n_in, &cols, MMA_BOUND);
             println!(
                 "emulated mma {} ({}) 64 rows x 64 outputs x {n_in}, {rounding:?}: \
                  max err / sum|x*w| = {err:.2e} ({of_bound:.2} of the bound)",
