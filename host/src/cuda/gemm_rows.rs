@@ -5,7 +5,7 @@ use kernel_abi::gemm_rows::shared_bytes;
 
 use super::kernels::{DevPtr, DevPtrMut, GemmRows};
 use super::matmul::entry_of;
-use super::{Device, Overlap, allow_shared, check, u32_of};
+use super::{Device, Overlap, SplitScratch, allow_shared, check, u32_of};
 use crate::Result;
 
 /// Outputs per warp and the most m16 row tiles per block (the kernel's).
@@ -38,7 +38,7 @@ pub(super) fn gemm_rows_plan(n_in: usize, n_out: usize) -> (u32, u32) {
     (nw as u32, kb as u32)
 }
 
-/// Floats of `GemmScratch` a row of `matmul_rows` over a `[n_out, n_in]` matrix takes: its
+/// Floats of `gemm_scratch` a row of `matmul_rows` over a `[n_out, n_in]` matrix takes: its
 /// parts' sums (the outputs rounded up to whole blocks), none where K is one part.
 pub fn gemm_rows_scratch(n_in: usize, n_out: usize) -> usize {
     match gemm_rows_plan(n_in, n_out) {
@@ -47,23 +47,16 @@ pub fn gemm_rows_scratch(n_in: usize, n_out: usize) -> usize {
     }
 }
 
-/// Where `matmul_rows`'s parts of K meet: their sums, for up to `rows` rows of `per_row`
-/// floats (`gemm_rows_scratch`), and a count per tile, zero before and after each launch.
-pub struct GemmScratch {
-    part: CudaSlice<f32>,
-    counts: CudaSlice<u32>,
-}
-
 impl Device {
     /// The scratch of `matmul_rows` for up to `rows` rows of matrices whose
-    /// `gemm_rows_scratch` is at most `per_row`.
-    pub fn gemm_scratch(&self, rows: usize, per_row: usize) -> Result<GemmScratch> {
-        Ok(GemmScratch {
+    /// `gemm_rows_scratch` is at most `per_row`: the parts' sums, and a count per tile.
+    pub fn gemm_scratch(&self, rows: usize, per_row: usize) -> Result<SplitScratch> {
+        self.split_scratch(
             // Rows rounded up to whole blocks.
-            part: self.zeros((rows.next_multiple_of(16 * MAX_MT) * per_row).max(1))?,
+            rows.next_multiple_of(16 * MAX_MT) * per_row,
             // A split K has fewer than AIM_BLOCKS output blocks.
-            counts: self.zeros(rows.div_ceil(16) * AIM_BLOCKS)?,
-        })
+            rows.div_ceil(16) * AIM_BLOCKS,
+        )
     }
 
     /// `y[t, o] = sum_i x[t, i]·w[o, i] + bias[o]` for `t` in `0..rows` (1 to any), as
@@ -81,7 +74,7 @@ impl Device {
         w: &super::GpuMatrix,
         bias: Option<&CudaSlice<f32>>,
         rows: usize,
-        scratch: &mut GemmScratch,
+        scratch: &mut SplitScratch,
     ) -> Result<()> {
         let (n_in, n_out) = (w.n_in(), w.rows());
         check(

@@ -27,7 +27,7 @@ mod sampling;
 
 pub use attention::AttentionSums;
 pub use decode::{BoundedArgmax, StepEnd};
-pub use gemm_rows::{GemmScratch, gemm_rows_scratch};
+pub use gemm_rows::gemm_rows_scratch;
 pub use matmul::GpuMatrix;
 
 /// Threads per block of the row-per-block and row-per-warp kernels.
@@ -56,6 +56,15 @@ fn load_kernels(module: &Arc<CudaModule>) -> Result<HashMap<&'static str, CudaFu
             Ok((name, f))
         })
         .collect()
+}
+
+/// Where the blocks that share a unit of a kernel's work meet (the key splits of
+/// `paged_attention`, the parts of K of `matmul_rows`): their partial results, and a count per
+/// unit by which the last block to finish knows to add them up. The counts start at zero and
+/// every launch leaves them so.
+pub struct SplitScratch {
+    part: CudaSlice<f32>,
+    counts: CudaSlice<u32>,
 }
 
 /// Reads a device's memory in use from any thread, while another thread runs its work.
@@ -151,6 +160,14 @@ impl Device {
     /// Free and total device memory in bytes.
     pub fn memory(&self) -> Result<(usize, usize)> {
         Ok(self.ctx.mem_get_info()?)
+    }
+
+    /// A `SplitScratch` of `part` floats and `counts` counts (each at least one).
+    fn split_scratch(&self, part: usize, counts: usize) -> Result<SplitScratch> {
+        Ok(SplitScratch {
+            part: self.zeros(part.max(1))?,
+            counts: self.zeros(counts.max(1))?,
+        })
     }
 
     /// A handle that reads the memory in use from other threads.

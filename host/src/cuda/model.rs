@@ -12,9 +12,9 @@ use std::cell::{Cell, RefCell};
 use cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DevicePtr, DevicePtrMut};
 
 use super::decode_pipeline::GRAPH_STEPS;
-use super::paged::{KvCopy, PagedKv, PagedScratch};
+use super::paged::{KvCopy, PagedKv};
 use super::{
-    AttentionSums, BoundedArgmax, Device, GemmScratch, GpuMatrix, StepEnd, gemm_rows_scratch,
+    AttentionSums, BoundedArgmax, Device, GpuMatrix, SplitScratch, StepEnd, gemm_rows_scratch,
 };
 use crate::config::Config;
 use crate::gguf::{Gguf, TensorInfo};
@@ -573,7 +573,7 @@ impl CudaModel {
         &mut self,
         rows: &CudaSlice<u32>,
         n: usize,
-        scratch: &mut GemmScratch,
+        scratch: &mut SplitScratch,
     ) -> Result<()> {
         let c = &self.cfg;
         let (dev, b) = (&self.dev, &mut self.buf);
@@ -658,7 +658,7 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Floats of `GemmScratch` a row of the batched pass takes: its widest parts of K.
+    /// Floats of `gemm_scratch` a row of the batched pass takes: its widest parts of K.
     fn gemm_rows_scratch(&self) -> usize {
         self.layers
             .iter()
@@ -703,9 +703,9 @@ pub(crate) struct StepInputs {
     pub n_items: usize,
     pub tables: CudaSlice<u32>,
     /// `paged_attention`'s partial results of its key splits.
-    pub attention: PagedScratch,
+    pub attention: SplitScratch,
     /// Where `matmul_rows`'s parts of K meet.
-    pub gemm: GemmScratch,
+    pub gemm: SplitScratch,
     pub block_tokens: usize,
 }
 
@@ -715,7 +715,7 @@ enum Product<'a> {
     Matmul,
     /// `Device::matmul_rows`: the batched pass, each row's values independent of the batch,
     /// with the scratch where its parts of K meet.
-    Rows(&'a mut GemmScratch),
+    Rows(&'a mut SplitScratch),
 }
 
 impl Product<'_> {

@@ -4,7 +4,7 @@ use cudarc::driver::{CudaSlice, DevicePtr, DevicePtrMut, LaunchConfig};
 use kernel_abi::paged::{SPLITS, WARPS, attention_shared_bytes, partial_floats};
 
 use super::kernels::{DevPtr, DevPtrMut, GatherRows, KvCopyPaged, PagedAttention, RopeKvPaged};
-use super::{BLOCK, Device, Overlap, allow_shared, check, u32_of};
+use super::{BLOCK, Device, Overlap, SplitScratch, allow_shared, check, u32_of};
 use crate::Result;
 
 /// Query rows of one sequence a block of `paged_attention` takes.
@@ -29,13 +29,9 @@ pub enum KvCopy {
     ToPaged,
 }
 
-/// What `paged_attention`'s splits of a row's keys hand to the block that adds them up: each
-/// block's partial result per (row, query head, split), for up to `rows` rows of q, and a
-/// count per (item, kv head), for up to `items` items. The counts start at zero and every
-/// launch leaves them so.
-pub struct PagedScratch {
-    part: CudaSlice<f32>,
-    counts: CudaSlice<u32>,
+/// Floats of `paged_attention`'s partial results for `rows` rows of q.
+fn attention_part_floats(rows: usize, n_heads: usize, head_dim: usize) -> usize {
+    rows * n_heads * SPLITS as usize * partial_floats(head_dim as u32) as usize
 }
 
 /// Up to `ITEM_ROWS` consecutive rows of one sequence: the unit of work of `paged_attention`.
@@ -84,7 +80,8 @@ impl Device {
         })
     }
 
-    /// The scratch of `paged_attention` for up to `rows` rows of q and `items` items.
+    /// The scratch of `paged_attention` for up to `rows` rows of q and `items` items: each
+    /// block's partial result per (row, query head, split), and a count per (item, kv head).
     pub fn paged_scratch(
         &self,
         rows: usize,
@@ -92,12 +89,8 @@ impl Device {
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
-    ) -> Result<PagedScratch> {
-        let floats = rows * n_heads * SPLITS as usize * partial_floats(head_dim as u32) as usize;
-        Ok(PagedScratch {
-            part: self.zeros(floats.max(1))?,
-            counts: self.zeros((items * n_kv).max(1))?,
-        })
+    ) -> Result<SplitScratch> {
+        self.split_scratch(attention_part_floats(rows, n_heads, head_dim), items * n_kv)
     }
 
     /// Per row `r` of `q = [rows, n_heads * head_dim]` and `k, v = [rows, kv_dim]`: NeoX RoPE at
@@ -183,14 +176,14 @@ impl Device {
         items: &impl DevicePtr<u32>,
         n_items: usize,
         tables: &impl DevicePtr<u32>,
-        scratch: &mut PagedScratch,
+        scratch: &mut SplitScratch,
         n_heads: usize,
         n_kv: usize,
         head_dim: usize,
         block_tokens: usize,
     ) -> Result<()> {
         let rows = q.len() / (n_heads * head_dim).max(1);
-        let part = rows * n_heads * SPLITS as usize * partial_floats(head_dim as u32) as usize;
+        let part = attention_part_floats(rows, n_heads, head_dim);
         check(
             n_items > 0
                 && items.len() >= 4 * n_items

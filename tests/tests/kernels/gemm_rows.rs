@@ -8,7 +8,7 @@
 //! |w|), and then the f32 sums (the mma's, then the parts of K added in order). So the check
 //! is `mma_err` with the bound `ROWS_TOL·(sum|x·w| + |bias|) + 2^-24·(sum|x| + sum|w|)`.
 use orcd::cpu;
-use orcd::cuda::{Device, GemmScratch, GpuMatrix, gemm_rows_scratch};
+use orcd::cuda::{Device, GpuMatrix, SplitScratch, gemm_rows_scratch};
 use orcd::gguf::Gguf;
 use orcd::quant::{self, GgmlType};
 use orcd_tests::{Rng, gpu};
@@ -25,7 +25,7 @@ const ROWS_BOUND: Bound = Bound {
 const ROWS_TOL: f32 = 1.0 / 1024.0 + 1e-6;
 
 /// A scratch for `matmul_rows` of `rows` rows of `wd`.
-fn scratch(dev: &Device, wd: &GpuMatrix, rows: usize) -> GemmScratch {
+fn scratch(dev: &Device, wd: &GpuMatrix, rows: usize) -> SplitScratch {
     dev.gemm_scratch(rows, gemm_rows_scratch(wd.n_in(), wd.rows()))
         .unwrap()
 }
