@@ -1,7 +1,7 @@
 //! Compiles `gpu-kernels/` to PTX with rustc's NVPTX backend, once for sm_80 and once for
 //! sm_90, and hands the paths of their deflated text to the library
-//! (`include_bytes!(env!("ORCD_PTX"))`, `ORCD_PTX_SM90`). Needs no GPU and no CUDA: only the pinned nightly with `rust-src` (for
-//! `-Zbuild-std=core`).
+//! (`include_bytes!(env!("ORCD_PTX"))`, `ORCD_PTX_SM90`). Needs no GPU and no CUDA: only the
+//! pinned nightly with `rust-src` (for `-Zbuild-std=core`).
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
 

@@ -148,8 +148,8 @@ unsafe fn gemm_rows_of<W: Weights>(p: GemmRows, w: W) {
     let n = chunks * (kp + 1) / kb - first;
 
     // Slot `i % STAGES` of the ring holds chunk `first + i`: row `r` of the tile at floats
-    // `r·ROW_FLOATS..`, zeros for rows past `rows`; thread `t` copies its float4s `t`,
-    // `t + blockDim`, ...
+    // `r·ROW_FLOATS..`, zeros for rows past `rows`; `quad_at(i, 8r + f)` is float4 `f` of
+    // row `r`.
     let ring = shared_addr(shared::<f32>());
     let slot_bytes = 4 * 16 * mt * ROW_FLOATS;
     let quad_at =
